@@ -1,0 +1,47 @@
+"""FedAvg, client half: load the group's weights, train with cross-entropy, upload all weights.
+
+In a heterogeneous fleet the server averages only clients of the same architecture
+(FedAvg-groups); with one architecture for all it is plain FedAvg.
+"""
+
+from __future__ import annotations
+
+from torch.nn import functional as F
+
+from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.training import train_local
+from edgefl.errors import PayloadError
+from edgefl.messages import Message
+
+
+class FedAvgOptions(MethodOptions):
+    pass
+
+
+def load_weights(model, tensors) -> None:
+    """Load a full state dict, with an error naming what does not match."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(own))
+    if missing or extra:
+        raise PayloadError(f"weights do not fit this model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, t in tensors.items():
+        if t.shape != own[name].shape:
+            raise PayloadError(f"weights do not fit this model: {name} is {tuple(t.shape)}, expected {tuple(own[name].shape)}")
+    model.load_state_dict(tensors, strict=True)
+
+
+class FedAvgClient(ClientHalf):
+    uploads_kind = "weights"
+
+    def receive(self, downlink: Message | None) -> None:
+        if downlink is not None and downlink.kind == "weights":
+            load_weights(self.model, downlink.tensors)
+
+    def fit(self, downlink: Message | None, round: int) -> Message | None:
+        self.receive(downlink)
+        gen = self.round_generator(round)
+        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
+        self.last_train_loss = stats.mean_loss
+        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return Message("weights", round, self.client_id, weights, self.base_meta(round))

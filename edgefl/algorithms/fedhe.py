@@ -1,0 +1,104 @@
+"""FedHe (Chan & Ngai, MSN 2021), client half.
+
+Loss (paper Eq. 13): ``CE(logits, y) + alpha * l_logit(logits, p_s[y])`` where ``p_s`` are the
+server's per-class average logits. The paper leaves ``l_logit`` generic; the authors' code uses
+mean-squared error on raw logits, which is the default here (``logit_loss = "kl"`` is the
+distillation alternative). Samples of a class the server has no logits for get CE only.
+
+While training, the client sums the logits it produces per class (Eq. 7) and sends
+``sum / (count + 1)`` (Eq. 8) for every class it saw.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch.nn import functional as F
+
+from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.training import train_local
+from edgefl.messages import Message
+
+
+class FedHeOptions(MethodOptions):
+    alpha: float = Field(1.0, ge=0, description="weight of the logit loss (paper: 1)")
+    logit_loss: Literal["mse", "kl"] = Field("mse", description="mse on raw logits (authors' code) or KL")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature of the KL variant")
+    warmup_rounds: int = Field(1, ge=0, description="rounds of CE only before the logit loss starts")
+    max_age_rounds: int | None = Field(
+        None, ge=1, description="server: ignore a client's logits older than this many rounds (None: keep each client's latest)"
+    )
+
+
+def logit_loss(logits: torch.Tensor, teacher: torch.Tensor, has_teacher: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
+    """Per-batch logit loss: mean over the batch of each sample's loss, zero where no teacher."""
+    if not bool(has_teacher.any()):
+        return logits.new_zeros(())
+    if kind == "mse":
+        per_sample = ((logits - teacher) ** 2).mean(dim=1)
+    else:
+        t = temperature
+        per_sample = F.kl_div(F.log_softmax(logits / t, 1), F.softmax(teacher / t, 1), reduction="none").sum(1) * t * t
+    return (per_sample * has_teacher).sum() / len(logits)
+
+
+def fedhe_loss(
+    logits: torch.Tensor, y: torch.Tensor, server_logits: torch.Tensor | None, server_mask: torch.Tensor | None, options: FedHeOptions
+) -> torch.Tensor:
+    ce = F.cross_entropy(logits, y)
+    if server_logits is None or options.alpha == 0:
+        return ce
+    has = server_mask[y].to(logits.dtype)
+    return ce + options.alpha * logit_loss(logits, server_logits[y], has, options.logit_loss, options.temperature)
+
+
+class LogitCollector:
+    """Per-class sums and counts of the logits produced during training (paper Eq. 7-8)."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+        self.counts = torch.zeros(num_classes, dtype=torch.int64)
+
+    def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
+        self.sums.index_add_(0, y, logits.detach().to(torch.float64))
+        self.counts += torch.bincount(y, minlength=len(self.counts))
+
+    def averages(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(classes seen, their sum / (count + 1), their counts)."""
+        seen = torch.nonzero(self.counts > 0).flatten()
+        avg = self.sums[seen] / (self.counts[seen].to(torch.float64) + 1).unsqueeze(1)
+        return seen, avg.to(torch.float32), self.counts[seen]
+
+
+class FedHeClient(ClientHalf):
+    uploads_kind = "class_logits"
+
+    def __init__(self, setup, options: FedHeOptions) -> None:
+        super().__init__(setup, options)
+        self.server_logits: torch.Tensor | None = None
+        self.server_mask: torch.Tensor | None = None
+
+    def receive(self, downlink: Message | None) -> None:
+        if downlink is not None and downlink.kind == "class_logits" and "logits" in downlink.tensors:
+            self.server_logits = downlink.tensors["logits"].float()
+            self.server_mask = downlink.tensors["mask"].bool()
+
+    def fit(self, downlink: Message | None, round: int) -> Message | None:
+        self.receive(downlink)
+        opts: FedHeOptions = self.options  # type: ignore[assignment]
+        distill = round > opts.warmup_rounds and self.server_logits is not None
+        teacher, mask = (self.server_logits, self.server_mask) if distill else (None, None)
+        collector = LogitCollector(self.setup.num_classes)
+
+        def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            logits = self.model(xb)
+            collector.add(logits, yb)
+            return fedhe_loss(logits, yb, teacher, mask, opts)
+
+        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, self.round_generator(round), loss_fn)
+        self.last_train_loss = stats.mean_loss
+        classes, avg, counts = collector.averages()
+        tensors = {"logits": avg, "classes": classes, "counts": counts}
+        return Message("class_logits", round, self.client_id, tensors, self.base_meta(round))

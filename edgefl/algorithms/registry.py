@@ -1,0 +1,79 @@
+"""Methods by name: each is a client half, a server half and an options model.
+
+Server halves live in the top-level ``server/`` folder (``edgefl.server.methods``) and are
+imported only when a server is built, so a device never imports server code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    description: str
+    client_path: str  # "module:Class"
+    server_path: str
+    options_path: str
+
+    @staticmethod
+    def _load(path: str):
+        module, attr = path.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    @property
+    def options_model(self) -> type[MethodOptions]:
+        return self._load(self.options_path)
+
+    def client_class(self) -> type[ClientHalf]:
+        return self._load(self.client_path)
+
+    def server_class(self):
+        return self._load(self.server_path)
+
+    def parse_options(self, raw: dict) -> MethodOptions:
+        return self.options_model.model_validate(raw)
+
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec(
+            "local",
+            "Local-only training: no communication (the 'Private' / SOLO baseline)",
+            "edgefl.algorithms.local:LocalClient",
+            "edgefl.server.methods.local:LocalServer",
+            "edgefl.algorithms.local:LocalOptions",
+        ),
+        MethodSpec(
+            "fedavg",
+            "FedAvg; heterogeneous fleets average within groups of the same architecture",
+            "edgefl.algorithms.fedavg:FedAvgClient",
+            "edgefl.server.methods.fedavg:FedAvgServer",
+            "edgefl.algorithms.fedavg:FedAvgOptions",
+        ),
+        MethodSpec(
+            "fedhe",
+            "FedHe (Chan & Ngai, MSN 2021): per-class logit exchange, asynchronous server",
+            "edgefl.algorithms.fedhe:FedHeClient",
+            "edgefl.server.methods.fedhe:FedHeServer",
+            "edgefl.algorithms.fedhe:FedHeOptions",
+        ),
+    )
+}
+
+
+def get_method(name: str) -> MethodSpec:
+    try:
+        return METHODS[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(METHODS), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"methods: {', '.join(METHODS)}"
+        raise ConfigError(f"unknown method {name!r}", hint=hint) from None

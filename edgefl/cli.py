@@ -1,0 +1,108 @@
+"""The ``edgefl`` command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from edgefl.errors import EdgeflError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning across heterogeneous edge devices.")
+# Piped output (logs, CI) gets a wide fixed width instead of rich's 80-column fallback.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+@app.command()
+def simulate(
+    config: Annotated[Optional[Path], typer.Argument(help="run config (TOML); omitted: the embedded preset")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="override a key, e.g. --set rounds=3 (repeatable)")] = [],  # noqa: B006
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory (default runs/<time>-<name>-s<seed>)")] = None,
+    preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted: demo or paper")] = "demo",
+    show_config: Annotated[bool, typer.Option("--show-config", help="print the resolved config and exit")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
+) -> None:
+    """Run a federated training job in one process on a simulated fleet."""
+    from edgefl.config import load_config
+    from edgefl.report import accuracy_table, communication_table, draw_plots
+    from edgefl.rundir import RunDir
+    from edgefl.sim import Simulation
+
+    cfg = load_config(config, set_, preset)
+    if show_config:
+        out.print(cfg.to_toml(), markup=False, highlight=False)
+        return
+    run = RunDir.create(out_dir, cfg.name, cfg.seed)
+    n = cfg.fleet.num_clients
+    err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
+    err.print(f"run directory: {run.path}")
+    Simulation(cfg, run, console=err, show_progress=not quiet).run()
+    draw_plots(run)
+    out.print(accuracy_table(run))
+    out.print(communication_table(run))
+    out.print(f"run directory: {run.path}  (plots in {run.path / 'plots'})")
+
+
+@app.command()
+def models(
+    num_classes: Annotated[int, typer.Option(help="classes of the head")] = 10,
+    input_shape: Annotated[str, typer.Option(help="input shape without batch, e.g. 1,28,28")] = "",
+) -> None:
+    """List the model zoo: parameters and FLOPs per sample are measured on the default input."""
+    from edgefl.models import get_spec, model_info, model_names
+
+    table = Table(title="edgefl model zoo (FLOPs = 2 x multiply-adds, forward, batch 1)")
+    for col, justify in (("name", "left"), ("kind", "left"), ("params", "right"), ("FLOPs/sample", "right"),
+                         ("input", "left"), ("feature width", "right"), ("description", "left")):
+        table.add_column(col, justify=justify, no_wrap=col != "description")  # type: ignore[arg-type]
+    for name in model_names():
+        shape = tuple(int(s) for s in input_shape.split(",")) if input_shape else None
+        if shape is not None and get_spec(name).family == "mlp":
+            shape = (int(sum(shape)),) if len(shape) == 1 else None
+        info = model_info(name, num_classes=num_classes, input_shape=shape)
+        table.add_row(name, info.kind, f"{info.params:,}", _si(info.flops_per_sample), "x".join(map(str, info.input_shape)),
+                      str(info.feature_dim or "-"), info.description)
+    out.print(table)
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
+    """Re-draw a run's plots and print its tables."""
+    from edgefl.report import accuracy_table, communication_table, draw_plots
+    from edgefl.rundir import RunDir
+
+    if not run_dir.is_dir():
+        raise EdgeflError(f"{run_dir} is not a directory", hint="pass a run directory, e.g. runs/<time>-<name>-s<seed>")
+    run = RunDir(run_dir)
+    paths = draw_plots(run)
+    out.print(accuracy_table(run))
+    out.print(communication_table(run))
+    for p in paths:
+        out.print(f"wrote {p}")
+
+
+def _si(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.1f}{unit}" if unit else f"{n:.0f}"
+        n /= 1000
+    return f"{n:.1f}P"
+
+
+def main() -> None:
+    try:
+        app()
+    except EdgeflError as exc:
+        err.print(f"[bold red]error:[/] {exc.message}", markup=True, highlight=False)
+        if exc.hint:
+            err.print(f"  hint: {exc.hint}", markup=False, highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Run configuration: TOML -> validated, typed objects.
+
+Unknown keys, wrong types and unknown model or method names are errors that name the key and
+suggest the nearest valid one. ``apply_overrides`` implements ``--set key=value``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from edgefl.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainSettings(Strict):
+    """Local training of one client per round."""
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(50, ge=1)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_steps: int | None = Field(None, ge=1, description="cap on batches per round (None: full epochs)")
+
+
+class TrainOverride(Strict):
+    """Per-group overrides of :class:`TrainSettings` (unset fields keep the run's value)."""
+
+    epochs: int | None = Field(None, ge=1)
+    batch_size: int | None = Field(None, ge=1)
+    optimizer: Literal["adam", "sgd"] | None = None
+    lr: float | None = Field(None, gt=0)
+    momentum: float | None = Field(None, ge=0, lt=1)
+    weight_decay: float | None = Field(None, ge=0)
+    max_steps: int | None = Field(None, ge=1)
+
+
+class DataSettings(Strict):
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    download: bool = True
+    partition: Literal["iid", "dirichlet", "shards"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0)
+    shards_per_client: int = Field(2, ge=1)
+    min_samples: int = Field(10, ge=1)
+    samples_per_client: int | None = Field(None, ge=1, description="keep at most this many samples per client")
+    test_samples: int | None = Field(None, ge=1, description="evaluate on a fixed random subset of the test set")
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, v: str) -> str:
+        from edgefl.data.datasets import DATASET_NAMES
+
+        if v not in DATASET_NAMES:
+            raise ValueError(f"unknown dataset {v!r}{_suggest(v, DATASET_NAMES)}")
+        return v
+
+
+class GroupSettings(Strict):
+    """``count`` devices that train the same architecture."""
+
+    model: str
+    count: int = Field(1, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict, description="builder options, e.g. width")
+    train: TrainOverride | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        from edgefl.models import model_names
+
+        names = model_names()
+        if v not in names:
+            raise ValueError(f"unknown model {v!r}{_suggest(v, names)}")
+        return v
+
+    @model_validator(mode="after")
+    def _known_options(self) -> GroupSettings:
+        from edgefl.models import get_spec
+
+        params = inspect.signature(get_spec(self.model).builder).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            # thin wrappers forward **kw to the family builder: inspect that instead
+            params = _family_params(self.model)
+        internal = ("num_classes", "input_shape", "return_reference", "index", "depth_name")
+        allowed = [p for p in params if p not in internal]
+        for key in self.options:
+            if key not in allowed:
+                raise ValueError(f"model {self.model!r} has no option {key!r}{_suggest(key, allowed)}; options: {', '.join(allowed)}")
+        return self
+
+    @property
+    def arch(self) -> str:
+        """A label that identifies the architecture, options included (FedAvg groups by it)."""
+        if not self.options:
+            return self.model
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.model}({opts})"
+
+
+def _family_params(model: str) -> dict[str, inspect.Parameter]:
+    from edgefl.models import cnn, resnet
+
+    if model.startswith("resnet"):
+        return dict(inspect.signature(resnet.build_resnet).parameters)
+    if model.startswith("fedhe-cnn"):
+        return dict(inspect.signature(cnn.build_fedhe_cnn).parameters)
+    return {}
+
+
+class FleetSettings(Strict):
+    groups: list[GroupSettings] = Field(min_length=1)
+    sample_ratio: float = Field(1.0, gt=0, le=1)
+
+    @property
+    def num_clients(self) -> int:
+        return sum(g.count for g in self.groups)
+
+
+class EvalSettings(Strict):
+    every: int = Field(1, ge=1, description="evaluate every k rounds (the last round always)")
+    batch_size: int = Field(1000, ge=1)
+
+
+class MethodSettings(BaseModel):
+    """``name`` picks the method; the other keys are that method's options, validated by it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RunConfig(Strict):
+    name: str = "run"
+    seed: int = 0
+    rounds: int = Field(10, ge=1)
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: torch's default)")
+    method: MethodSettings
+    data: DataSettings = Field(default_factory=DataSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    fleet: FleetSettings
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+
+    def train_for(self, group: GroupSettings) -> TrainSettings:
+        if group.train is None:
+            return self.train
+        return self.train.model_copy(update=group.train.model_dump(exclude_none=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model_dump(mode="json", exclude_none=True)
+        out["method"] = {"name": self.method.name, **self.method.options()}
+        return out
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _loc(parts: tuple) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The valid field names of the model that sits at ``loc`` (for 'did you mean')."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return []
+        ann = current.model_fields[part].annotation
+        for arg in (*getattr(ann, "__args__", ()), ann):
+            inner = getattr(arg, "__args__", (arg,))
+            for a in inner:
+                if isinstance(a, type) and issubclass(a, BaseModel):
+                    current = a
+                    break
+            else:
+                continue
+            break
+    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def format_validation_error(exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = err["loc"]
+        where = (prefix + "." if prefix and loc else prefix) + _loc(loc)
+        if err["type"] == "extra_forbidden":
+            key = str(loc[-1])
+            lines.append(f"{where}: unknown key{_suggest(key, _fields_at(root, loc[:-1]))}")
+        else:
+            lines.append(f"{where or '(top level)'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a parsed TOML document into a :class:`RunConfig` (method options included)."""
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, RunConfig)}") from None
+    from edgefl.algorithms.registry import get_method
+
+    method = get_method(cfg.method.name)
+    try:
+        method.options_model.model_validate(cfg.method.options())
+    except ValidationError as exc:
+        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, method.options_model, 'method')}") from None
+    return cfg
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: TOML syntax when it parses (numbers, booleans, lists), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (list items by index: ``fleet.groups.0.count=2``)."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set rounds=3")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node: Any = out
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} has no item {part}")
+                node = node[int(part)]
+            else:
+                node = node.setdefault(part, {})
+        last = parts[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise ConfigError(f"--set {key}: no item {last}")
+            node[int(last)] = parse_value(value)
+        elif isinstance(node, dict):
+            node[last] = parse_value(value)
+        else:
+            raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is not a table")
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
+PRESETS = {"demo": "fedhe-fashion-mnist.toml", "paper": "fedhe-fashion-mnist-paper.toml"}
+
+
+def preset_text(name: str) -> str:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}{_suggest(name, PRESETS)}", hint=f"presets: {', '.join(PRESETS)}")
+    return resources.files("edgefl.defaults").joinpath(PRESETS[name]).read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, preset: str = "demo") -> RunConfig:
+    """Read a TOML file (or the embedded preset when ``path`` is None), apply overrides, validate."""
+    if path is None:
+        raw, source = tomllib.loads(preset_text(preset)), f"preset {preset!r}"
+    else:
+        raw, source = read_toml(path), str(path)
+    return validate_config(apply_overrides(raw, overrides or []), source)

@@ -1,0 +1,246 @@
+"""Datasets: MNIST-format IDX folders (Fashion-MNIST, MNIST) and scikit-learn's small sets.
+
+IDX folders are searched, in order, in ``--data-dir``, ``$EDGEFL_DATA``, the user cache
+(``$XDG_CACHE_HOME/edgefl/datasets``) and ``/usr/share/datasets`` (where Debian's
+``dataset-fashion-mnist`` puts them). When none has them and downloading is allowed, they are
+fetched into the cache, checked against known MD5 sums, and only then moved into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgefl.data.idx import read_idx
+from edgefl.errors import DataError
+
+FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+
+
+@dataclass(frozen=True)
+class IdxSource:
+    base_url: str
+    md5: dict[str, str]  # file name (with .gz) -> md5
+    class_names: tuple[str, ...]
+    debian_package: str | None = None
+
+
+IDX_SOURCES: dict[str, IdxSource] = {
+    "fashion-mnist": IdxSource(
+        base_url="http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+        md5={
+            "train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+            "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
+            "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
+            "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
+        },
+        class_names=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"),
+        debian_package="dataset-fashion-mnist",
+    ),
+    "mnist": IdxSource(
+        base_url="https://ossci-datasets.s3.amazonaws.com/mnist/",
+        md5={
+            "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+            "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+            "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+            "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+        },
+        class_names=tuple(str(i) for i in range(10)),
+    ),
+}
+
+SKLEARN_SETS = ("digits", "breast-cancer")
+DATASET_NAMES = tuple(IDX_SOURCES) + SKLEARN_SETS
+
+
+@dataclass
+class Dataset:
+    """A dataset in memory: float32 inputs (images scaled to [0, 1]) and int64 labels."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    class_names: tuple[str, ...]
+    source: str
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edgefl" / "datasets"
+
+
+def search_roots(data_dir: str | Path | None) -> list[Path]:
+    roots: list[Path] = []
+    if data_dir:
+        roots.append(Path(data_dir))
+    if os.environ.get("EDGEFL_DATA"):
+        roots.append(Path(os.environ["EDGEFL_DATA"]))
+    roots += [cache_dir(), Path("/usr/share/datasets")]
+    return roots
+
+
+def _find_file(folder: Path, stem: str) -> Path | None:
+    for candidate in (folder / f"{stem}.gz", folder / stem):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def locate_idx_folder(name: str, data_dir: str | Path | None = None) -> Path | None:
+    """The first folder holding all four IDX files of ``name`` (either ``root/name`` or ``root``)."""
+    for root in search_roots(data_dir):
+        for folder in (root / name, root):
+            if all(_find_file(folder, stem) for stem in FILES.values()):
+                return folder
+    return None
+
+
+def _md5(path: Path) -> str:
+    h = hashlib.md5()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download_idx(
+    name: str, dest: Path | None = None, base_url: str | None = None, md5: dict[str, str] | None = None, timeout: float = 30.0
+) -> Path:
+    """Fetch the four IDX files of ``name`` into ``dest`` (default: the user cache).
+
+    Each file lands in a temporary directory first and is moved into place only after its MD5
+    matches, so an interrupted or corrupted download never leaves a file that looks valid.
+    """
+    source = IDX_SOURCES[name]
+    base = (base_url or source.base_url).rstrip("/") + "/"
+    sums = source.md5 if md5 is None else md5
+    dest = dest or cache_dir() / name
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        for stem in FILES.values():
+            fname = f"{stem}.gz"
+            target = dest / fname
+            if target.is_file() and (fname not in sums or _md5(target) == sums[fname]):
+                continue
+            part = Path(tmp) / fname
+            try:
+                with urllib.request.urlopen(base + fname, timeout=timeout) as resp, part.open("wb") as out:
+                    shutil.copyfileobj(resp, out)
+            except (urllib.error.URLError, OSError) as exc:
+                raise DataError(f"download of {base + fname} failed: {exc}") from None
+            if fname in sums and _md5(part) != sums[fname]:
+                raise DataError(f"download of {base + fname} is corrupt (MD5 mismatch); nothing was kept")
+            part.replace(target)
+    return dest
+
+
+def _missing_hint(name: str, data_dir: str | Path | None) -> str:
+    places = ", ".join(str(r) for r in search_roots(data_dir))
+    pkg = IDX_SOURCES[name].debian_package
+    apt = f"`apt-get install {pkg}`, " if pkg else ""
+    return f"looked in {places}; install it with {apt}put the four IDX files in one of those folders, or pass --data-dir"
+
+
+def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bool = True) -> Dataset:
+    folder = locate_idx_folder(name, data_dir)
+    if folder is None:
+        if not download:
+            raise DataError(f"{name} not found", hint=_missing_hint(name, data_dir))
+        try:
+            folder = download_idx(name)
+        except DataError as exc:
+            raise DataError(f"{name} not found locally and {exc.message}", hint=_missing_hint(name, data_dir)) from None
+    arrays = {key: read_idx(_find_file(folder, stem)) for key, stem in FILES.items()}  # type: ignore[arg-type]
+    for split in ("train", "test"):
+        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise DataError(
+                f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match",
+                hint="the folder mixes files from different datasets; fetch them again",
+            )
+    classes = IDX_SOURCES[name].class_names
+    if int(arrays["train_labels"].max()) >= len(classes):
+        raise DataError(f"{folder}: labels go up to {arrays['train_labels'].max()}, {name} has {len(classes)} classes")
+
+    def images(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).float().div_(255.0).unsqueeze(1)
+
+    def labels(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.int64))
+
+    return Dataset(
+        name=name,
+        x_train=images(arrays["train_images"]),
+        y_train=labels(arrays["train_labels"]),
+        x_test=images(arrays["test_images"]),
+        y_test=labels(arrays["test_labels"]),
+        class_names=classes,
+        source=str(folder),
+    )
+
+
+def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int = 0) -> Dataset:
+    """scikit-learn's digits (8x8 images) or breast-cancer (30 features, standardised on train).
+
+    The train/test split uses a fixed ``split_seed`` so the test set is the same for every run seed.
+    """
+    try:
+        from sklearn.datasets import load_breast_cancer, load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise DataError(f"{name} needs scikit-learn", hint="pip install 'edgefl[sim]'") from None
+    if name == "digits":
+        raw = load_digits()
+        x = raw.data.reshape(-1, 1, 8, 8).astype(np.float32) / 16.0
+        names = tuple(str(c) for c in raw.target_names)
+    elif name == "breast-cancer":
+        raw = load_breast_cancer()
+        x = raw.data.astype(np.float32)
+        names = tuple(str(c) for c in raw.target_names)
+    else:
+        raise DataError(f"unknown scikit-learn dataset {name!r}")
+    xtr, xte, ytr, yte = train_test_split(x, raw.target, test_size=test_fraction, random_state=split_seed, stratify=raw.target)
+    if name == "breast-cancer":
+        mean, std = xtr.mean(0), xtr.std(0) + 1e-8
+        xtr, xte = (xtr - mean) / std, (xte - mean) / std
+    return Dataset(
+        name=name,
+        x_train=torch.from_numpy(np.ascontiguousarray(xtr)),
+        y_train=torch.from_numpy(ytr.astype(np.int64)),
+        x_test=torch.from_numpy(np.ascontiguousarray(xte)),
+        y_test=torch.from_numpy(yte.astype(np.int64)),
+        class_names=names,
+        source=f"sklearn.datasets ({name})",
+    )
+
+
+def load_dataset(name: str, data_dir: str | Path | None = None, download: bool = True) -> Dataset:
+    """Load a dataset by name: ``fashion-mnist``, ``mnist``, ``digits`` or ``breast-cancer``."""
+    if name in IDX_SOURCES:
+        return load_idx_dataset(name, data_dir, download)
+    if name in SKLEARN_SETS:
+        return load_sklearn_dataset(name)
+    raise DataError(f"unknown dataset {name!r}", hint=f"choose one of {', '.join(DATASET_NAMES)}")

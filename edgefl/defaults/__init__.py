@@ -1,0 +1,1 @@
+"""Embedded configurations: the demo the README runs and the paper-scale preset."""

@@ -1,0 +1,42 @@
+"""What a run records about where it ran: package versions and the machine (its device profile
+until measured profiles exist)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import psutil
+import torch
+
+PACKAGES = ("edgefl", "torch", "torchvision", "numpy", "safetensors", "pydantic", "paho-mqtt", "matplotlib", "scikit-learn")
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def machine() -> dict[str, Any]:
+    freq = psutil.cpu_freq()
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "os": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu_mhz": round(freq.max or freq.current) if freq else None,
+        "ram_bytes": psutil.virtual_memory().total,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info

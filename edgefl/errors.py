@@ -1,0 +1,27 @@
+"""User-facing errors: each says what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class EdgeflError(Exception):
+    """An error caused by the user's input or environment, with a hint for fixing it.
+
+    The CLI prints these without a traceback; anything else is a bug and keeps its traceback.
+    """
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
+
+
+class ConfigError(EdgeflError):
+    """A configuration file or override that does not validate."""
+
+
+class DataError(EdgeflError):
+    """A dataset that is missing, truncated or malformed."""
+
+
+class PayloadError(EdgeflError):
+    """A message that cannot be decoded safely (bad header, size, dtype...)."""

@@ -1,0 +1,22 @@
+"""The model zoo: named builders with measured metadata.
+
+>>> from edgefl.models import build_model, model_info
+>>> net = build_model("resnet18", num_classes=10, input_shape=(1, 28, 28), width=0.25)
+"""
+
+from edgefl.models.registry import (
+    ModelInfo,
+    ModelSpec,
+    build_model,
+    count_flops,
+    example_inputs,
+    get_spec,
+    model_info,
+    model_names,
+)
+from edgefl.models.split import SplitClassifier
+
+__all__ = [
+    "ModelInfo", "ModelSpec", "SplitClassifier", "build_model", "count_flops", "example_inputs",
+    "get_spec", "model_info", "model_names",
+]

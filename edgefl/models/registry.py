@@ -1,0 +1,135 @@
+"""A registry of named model builders with measured metadata (parameters, FLOPs, widths)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from edgefl.errors import ConfigError
+
+Kind = Literal["classifier", "generator"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build one named architecture and what it expects."""
+
+    name: str
+    kind: Kind
+    builder: Callable[..., nn.Module]
+    family: str
+    description: str
+    default_input_shape: tuple[int, ...] = (1, 28, 28)
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"model {spec.name!r} registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def model_names(kind: Kind | None = None) -> list[str]:
+    _ensure_loaded()
+    return [n for n, s in _REGISTRY.items() if kind is None or s.kind == kind]
+
+
+def get_spec(name: str) -> ModelSpec:
+    _ensure_loaded()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "run `edgefl models` to list the zoo"
+        raise ConfigError(f"unknown model {name!r}", hint=hint) from None
+
+
+def build_model(
+    name: str,
+    num_classes: int = 10,
+    input_shape: tuple[int, ...] | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """Build a zoo model by name. ``input_shape`` excludes the batch dimension."""
+    spec = get_spec(name)
+    shape = tuple(input_shape) if input_shape is not None else spec.default_input_shape
+    params = {**spec.defaults, **kwargs}
+    try:
+        model = spec.builder(num_classes=num_classes, input_shape=shape, **params)
+    except TypeError as exc:
+        raise ConfigError(f"model {name!r}: bad option ({exc})") from None
+    model.edgefl_name = name  # type: ignore[attr-defined]
+    return model
+
+
+def example_inputs(model: nn.Module, batch: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.Tensor, ...]:
+    """Inputs a model's forward takes: images for classifiers, (images, one-hot labels) for CVAEs."""
+    x = torch.rand(batch, *input_shape)
+    if getattr(model, "conditional", False):
+        y = nn.functional.one_hot(torch.arange(batch) % num_classes, num_classes).float()
+        return (x, y)
+    return (x,)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    kind: Kind
+    family: str
+    params: int
+    flops_per_sample: int
+    input_shape: tuple[int, ...]
+    feature_dim: int | None
+    description: str
+
+
+def count_flops(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    """Forward FLOPs measured with torch's FLOP counter (eval mode, no grad)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(*inputs)
+    finally:
+        model.train(was_training)
+    return int(counter.get_total_flops())
+
+
+@lru_cache(maxsize=256)
+def _info_cached(name: str, num_classes: int, input_shape: tuple[int, ...] | None, frozen_kwargs: tuple) -> ModelInfo:
+    spec = get_spec(name)
+    shape = tuple(input_shape) if input_shape is not None else spec.default_input_shape
+    model = build_model(name, num_classes=num_classes, input_shape=shape, **dict(frozen_kwargs))
+    flops = count_flops(model, example_inputs(model, 1, shape, num_classes))
+    return ModelInfo(
+        name=name,
+        kind=spec.kind,
+        family=spec.family,
+        params=sum(p.numel() for p in model.parameters()),
+        flops_per_sample=flops,
+        input_shape=shape,
+        feature_dim=getattr(model, "feature_dim", None),
+        description=spec.description,
+    )
+
+
+def model_info(name: str, num_classes: int = 10, input_shape: tuple[int, ...] | None = None, **kwargs: Any) -> ModelInfo:
+    """Metadata of a zoo model: parameters and FLOPs per sample are measured, not tabulated."""
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
+    return _info_cached(name, num_classes, tuple(input_shape) if input_shape else None, frozen)
+
+
+def _ensure_loaded() -> None:
+    # Importing the family modules registers their builders.
+    from edgefl.models import cnn, cvae, mlp, resnet, vgg  # noqa: F401

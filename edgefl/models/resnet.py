@@ -1,0 +1,101 @@
+"""ResNet10/14/18/22/26/34/50 on torchvision's ResNet, with a small-image stem and a width knob.
+
+Block counts follow the Felo/Velo and FedIN code (BasicBlock; Bottleneck for ResNet50).
+torchvision hard-codes 64/128/256/512 channels; ``width`` scales them (0.25 -> 16/32/64/128),
+which is what keeps these nets trainable on a 2-core CPU. Two stems:
+
+* ``"small"`` (default): 3x3 conv, stride 1, no max-pool, for 28x28 / 32x32 inputs;
+* ``"imagenet"``: torchvision's 7x7 stride-2 conv + max-pool, as the authors' code used on
+  Fashion-MNIST resized to 32x32 (16x fewer stem-resolution FLOPs, lower accuracy).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+from edgefl.models.registry import ModelSpec, register
+from edgefl.models.split import SplitClassifier, with_feature_width
+
+BLOCKS: dict[str, tuple[type[nn.Module], list[int]]] = {
+    "resnet10": (BasicBlock, [1, 1, 1, 1]),
+    "resnet14": (BasicBlock, [1, 1, 2, 2]),
+    "resnet18": (BasicBlock, [2, 2, 2, 2]),
+    "resnet22": (BasicBlock, [2, 2, 3, 3]),
+    "resnet26": (BasicBlock, [3, 3, 3, 3]),
+    "resnet34": (BasicBlock, [3, 4, 6, 3]),
+    "resnet50": (Bottleneck, [3, 4, 6, 3]),
+}
+
+
+class _ScaledResNet(ResNet):
+    """torchvision's ResNet with every stage's channel count multiplied by ``width``."""
+
+    def __init__(self, block: type[nn.Module], layers: list[int], num_classes: int, width: float) -> None:
+        self._width = width
+        self._base = max(4, round(64 * width))
+        super().__init__(block, layers, num_classes=num_classes)  # type: ignore[arg-type]
+
+    def _make_layer(self, block, planes, blocks, stride=1, dilate=False):  # type: ignore[override]
+        if planes == 64:  # first stage: the stem's output width, scaled
+            self.inplanes = self._base
+        return super()._make_layer(block, max(4, round(planes * self._width)), blocks, stride, dilate)
+
+
+def build_resnet(
+    depth_name: str,
+    num_classes: int,
+    input_shape: tuple[int, ...],
+    width: float = 1.0,
+    stem: Literal["small", "imagenet"] = "small",
+    feature_dim: int | None = None,
+    return_reference: bool = False,
+) -> SplitClassifier | tuple[SplitClassifier, ResNet]:
+    """Build a split ResNet; ``return_reference`` also returns the torchvision module sharing
+    its layers, so tests can check that the split composes to torchvision's own forward."""
+    block, layers = BLOCKS[depth_name]
+    net = _ScaledResNet(block, layers, num_classes, width)
+    in_channels = input_shape[0]
+    base = net._base
+    if stem == "small":
+        net.conv1 = nn.Conv2d(in_channels, base, kernel_size=3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+    elif stem == "imagenet":
+        net.conv1 = nn.Conv2d(in_channels, base, kernel_size=7, stride=2, padding=3, bias=False)
+    else:
+        raise ValueError(f"stem must be 'small' or 'imagenet', not {stem!r}")
+    nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
+    net.bn1 = nn.BatchNorm2d(base)
+    natural = net.fc.in_features
+    extractor = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
+    intermediate, feat = with_feature_width(
+        nn.Sequential(net.layer1, net.layer2, net.layer3, net.layer4, net.avgpool, nn.Flatten(1)), natural, feature_dim
+    )
+    head = nn.Linear(feat, num_classes)
+    split = SplitClassifier(extractor, intermediate, head, feat)
+    if return_reference:
+        if feature_dim is None or feature_dim == natural:
+            net.fc = head
+        return split, net
+    return split
+
+
+def _make_builder(depth_name: str):
+    def builder(num_classes: int, input_shape: tuple[int, ...], **kw) -> SplitClassifier:
+        return build_resnet(depth_name, num_classes, input_shape, **kw)
+
+    return builder
+
+
+for _name, (_block, _layers) in BLOCKS.items():
+    register(
+        ModelSpec(
+            name=_name,
+            kind="classifier",
+            builder=_make_builder(_name),
+            family="resnet",
+            description=f"torchvision ResNet, {_block.__name__} {_layers}; options width, stem, feature_dim",
+        )
+    )

@@ -1,0 +1,118 @@
+"""Plots and tables of a run, drawn from its run directory alone (so ``edgefl report`` can
+re-draw any finished or interrupted run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from edgefl.errors import EdgeflError
+from edgefl.rundir import RunDir
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EdgeflError("plots need matplotlib", hint="pip install 'edgefl[sim]'") from None
+    return plt
+
+
+def draw_plots(run: RunDir) -> list[Path]:
+    """Accuracy per round per architecture, the partition, and communication per round."""
+    plt = _pyplot()
+    metrics = run.metrics()
+    out_dir = run.path / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written: list[Path] = []
+
+    evaluated = [m for m in metrics if m.get("accuracy")]
+    if evaluated:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        archs = sorted({a for m in evaluated for a in m["accuracy"]["per_arch"]})
+        rounds = [m["round"] for m in evaluated]
+        for arch in archs:
+            ax.plot(rounds, [m["accuracy"]["per_arch"].get(arch) for m in evaluated], marker=".", linewidth=1, label=arch)
+        ax.plot(rounds, [m["accuracy"]["overall"] for m in evaluated], color="black", linewidth=2.5, label="overall (mean)")
+        ax.set(xlabel="round", ylabel="test accuracy", title="Accuracy per round and architecture")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        written.append(_save(fig, out_dir / "accuracy.png", plt))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    rounds = [m["round"] for m in metrics]
+    ax.bar([r - 0.2 for r in rounds], [m["bytes_up"] for m in metrics], width=0.4, label="up (all clients)")
+    ax.bar([r + 0.2 for r in rounds], [m["bytes_down"] for m in metrics], width=0.4, label="down (all clients)")
+    ax.set(xlabel="round", ylabel="bytes", title="Communication per round (serialised messages)")
+    if any(m["bytes_up"] or m["bytes_down"] for m in metrics):
+        ax.set_yscale("log")
+    ax.legend()
+    written.append(_save(fig, out_dir / "communication.png", plt))
+
+    part_path = run.path / "partition.json"
+    if part_path.is_file():
+        part = run.read_json("partition.json")
+        clients = part["clients"]
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(clients)), 4))
+        bottoms = [0] * len(clients)
+        for c, name in enumerate(part["class_names"]):
+            vals = [cl["class_counts"][c] for cl in clients]
+            ax.bar(range(len(clients)), vals, bottom=bottoms, label=name)
+            bottoms = [b + v for b, v in zip(bottoms, vals)]
+        ax.set_xticks(range(len(clients)), [cl["client_id"] for cl in clients], rotation=60, fontsize=7)
+        ax.set(ylabel="samples", title="Training samples per client and class")
+        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+        written.append(_save(fig, out_dir / "partition.png", plt))
+    return written
+
+
+def _save(fig: Any, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def accuracy_table(run: RunDir) -> Table:
+    """Final accuracy per architecture and overall, with the best round for each."""
+    evaluated = [m for m in run.metrics() if m.get("accuracy")]
+    table = Table(title=f"accuracy - {run.path}")
+    table.add_column("architecture")
+    table.add_column("clients", justify="right")
+    table.add_column("final", justify="right")
+    table.add_column("best (round)", justify="right")
+    if not evaluated:
+        return table
+    final = evaluated[-1]["accuracy"]
+    counts: dict[str, int] = {}
+    part_path = run.path / "partition.json"
+    if part_path.is_file():
+        for cl in run.read_json("partition.json")["clients"]:
+            counts[cl["arch"]] = counts.get(cl["arch"], 0) + 1
+    for arch in sorted(final["per_arch"]):
+        best = max(evaluated, key=lambda m: m["accuracy"]["per_arch"].get(arch, -1))
+        table.add_row(arch, str(counts.get(arch, "")), f"{final['per_arch'][arch]:.4f}",
+                      f"{best['accuracy']['per_arch'][arch]:.4f} ({best['round']})")
+    best = max(evaluated, key=lambda m: m["accuracy"]["overall"])
+    table.add_row("[bold]overall (mean of clients)", str(sum(counts.values()) or ""), f"[bold]{final['overall']:.4f}",
+                  f"{best['accuracy']['overall']:.4f} ({best['round']})")
+    return table
+
+
+def communication_table(run: RunDir) -> Table:
+    metrics = run.metrics()
+    from edgefl.sim.engine import human_bytes
+
+    table = Table(title="communication")
+    for col in ("", "total", "per round", "per client per round"):
+        table.add_column(col, justify="right")
+    n_sel = sum(len(m["selected"]) for m in metrics) or 1
+    for key in ("bytes_up", "bytes_down"):
+        total = sum(m[key] for m in metrics)
+        table.add_row(key.replace("bytes_", ""), human_bytes(total), human_bytes(total / len(metrics)), human_bytes(total / n_sel))
+    return table

@@ -1,0 +1,19 @@
+"""Derived seeds: every random draw in a run comes from (run seed, purpose, ids), so a client's
+training does not depend on which other clients ran before it in the same process."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    text = ":".join(str(p) for p in (seed, *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def generator(seed: int, *parts: object) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(derive_seed(seed, *parts))
+    return g

@@ -1,0 +1,5 @@
+"""Simulation engine and the shared fleet set-up."""
+
+from edgefl.sim.engine import Simulation
+
+__all__ = ["Simulation"]

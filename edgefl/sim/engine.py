@@ -1,0 +1,243 @@
+"""In-process simulation: the same client and server halves a fleet runs, with the transport
+replaced by encoding each message to bytes and decoding it back (so the bytes counted are the
+bytes a fleet would send, and the codec is exercised on every message)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from edgefl.algorithms import ClientHalf
+from edgefl.config import RunConfig
+from edgefl.data import Dataset, load_dataset
+from edgefl.environment import machine, package_versions
+from edgefl.messages import Message, decode, encode
+from edgefl.rundir import RunDir
+from edgefl.sim.setup import build_client, build_server, device_slots, partition_record, sample_clients, test_subset
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    selected: list[str]
+    bytes_up: dict[str, int] = field(default_factory=dict)
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    receipts: dict[str, str] = field(default_factory=dict)
+    train_loss: dict[str, float] = field(default_factory=dict)
+    accuracy: dict[str, Any] | None = None
+    round_time_s: float = 0.0
+    train_time_s: float = 0.0
+    eval_time_s: float = 0.0
+    server: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, elapsed: float) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "selected": self.selected,
+            "bytes_up": sum(self.bytes_up.values()),
+            "bytes_down": sum(self.bytes_down.values()),
+            "bytes_up_per_client": self.bytes_up,
+            "bytes_down_per_client": self.bytes_down,
+            "receipts": self.receipts,
+            "train_loss": self.train_loss,
+            "accuracy": self.accuracy,
+            "server": self.server,
+            "round_time_s": round(self.round_time_s, 4),
+            "train_time_s": round(self.train_time_s, 4),
+            "eval_time_s": round(self.eval_time_s, 4),
+            "elapsed_s": round(elapsed, 3),
+        }
+
+
+def transmit(message: Message | None) -> tuple[Message | None, int]:
+    """What the wire would do to a message: encode, count, decode."""
+    if message is None:
+        return None, 0
+    data = encode(message)
+    return decode(data), len(data)
+
+
+class Simulation:
+    """Runs a :class:`RunConfig` in one process. ``run()`` returns the summary dict."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: RunDir | None = None,
+        console: Console | None = None,
+        dataset: Dataset | None = None,
+        show_progress: bool = True,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.console = console or Console(stderr=True)
+        self.show_progress = show_progress
+        self.on_round = on_round
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.ds = dataset or load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
+        self.slots = device_slots(cfg, self.ds)
+        self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
+        self.server = build_server(cfg, self.ds, self.slots)
+        self.x_test, self.y_test = test_subset(cfg, self.ds)
+        self.history: list[dict[str, Any]] = []
+
+    # --- one round ----------------------------------------------------------------------
+    def run_round(self, r: int, advance: Callable[[], None] = lambda: None) -> RoundRecord:
+        t0 = time.perf_counter()
+        selected = sample_clients(self.cfg, list(self.clients), r)
+        rec = RoundRecord(r, selected)
+        self.server.begin_round(r)
+        for cid in selected:
+            down, n_down = transmit(self.server.downlink(r, cid))
+            up = self.clients[cid].fit(down, r)
+            up, n_up = transmit(up)
+            rec.bytes_down[cid], rec.bytes_up[cid] = n_down, n_up
+            if up is not None:
+                receipt = self.server.receive(up)
+                rec.receipts[cid] = receipt.status if not receipt.reason else f"{receipt.status}: {receipt.reason}"
+            loss = self.clients[cid].last_train_loss
+            if loss is not None:
+                rec.train_loss[cid] = round(loss, 6)
+            advance()
+        rec.server = self.server.close_round(r)
+        rec.train_time_s = time.perf_counter() - t0
+        if r % self.cfg.eval.every == 0 or r == self.cfg.rounds:
+            t1 = time.perf_counter()
+            rec.accuracy = self.evaluate(r)
+            rec.eval_time_s = time.perf_counter() - t1
+        rec.round_time_s = time.perf_counter() - t0
+        return rec
+
+    def evaluate(self, r: int) -> dict[str, Any]:
+        """Accuracy of the model each device would use now, on the shared test set.
+
+        Methods whose server holds global models (FedAvg) are judged by those: each device
+        receives its group's model; knowledge methods are judged by each device's own model.
+        """
+        holds_globals = bool(self.server.global_models())
+        per_client: dict[str, float] = {}
+        cache: dict[str, float] = {}
+        for cid, client in self.clients.items():
+            arch = client.setup.arch
+            if holds_globals:
+                if arch not in cache:
+                    client.receive(self.server.downlink(r + 1, cid))
+                    cache[arch] = client.evaluate(self.x_test, self.y_test, self.cfg.eval.batch_size)
+                per_client[cid] = cache[arch]
+            else:
+                per_client[cid] = client.evaluate(self.x_test, self.y_test, self.cfg.eval.batch_size)
+        per_arch: dict[str, list[float]] = {}
+        for cid, acc in per_client.items():
+            per_arch.setdefault(self.clients[cid].setup.arch, []).append(acc)
+        return {
+            "overall": statistics.fmean(per_client.values()),
+            "per_arch": {a: statistics.fmean(v) for a, v in per_arch.items()},
+            "per_client": per_client,
+        }
+
+    # --- the whole run ------------------------------------------------------------------
+    def _start_record(self) -> dict[str, Any]:
+        return {
+            "name": self.cfg.name,
+            "method": self.cfg.method.name,
+            "seed": self.cfg.seed,
+            "dataset": {"name": self.ds.name, "source": self.ds.source, "train": len(self.ds.y_train), "test_used": len(self.y_test)},
+            "versions": package_versions(),
+            "machine": machine(),
+            "runner": "simulation",
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        start_record = self._start_record()
+        if self.run_dir:
+            (self.run_dir.path / "config.toml").write_text(cfg.to_toml())
+            self.run_dir.write_json("run.json", start_record)
+            self.run_dir.write_json("partition.json", partition_record(self.ds, self.slots))
+        t0 = time.perf_counter()
+        progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=self.console, transient=True, disable=not self.show_progress,
+        )
+        with progress:
+            rounds_task = progress.add_task("rounds", total=cfg.rounds)
+            for r in range(1, cfg.rounds + 1):
+                n_sel = len(sample_clients(cfg, list(self.clients), r))
+                clients_task = progress.add_task(f"round {r}: clients", total=n_sel)
+                rec = self.run_round(r, advance=lambda: progress.advance(clients_task))
+                progress.remove_task(clients_task)
+                progress.advance(rounds_task)
+                record = rec.to_json(time.perf_counter() - t0)
+                self.history.append(record)
+                if self.run_dir:
+                    self.run_dir.append_metrics(record)
+                if self.show_progress:
+                    self.console.print(round_line(record, cfg.rounds))
+                if self.on_round:
+                    self.on_round(record)
+        summary = self._summary(start_record, time.perf_counter() - t0)
+        if self.run_dir:
+            self._save_models()
+            self.run_dir.write_json("summary.json", summary)
+        return summary
+
+    def _summary(self, start_record: dict[str, Any], wall: float) -> dict[str, Any]:
+        evaluated = [h for h in self.history if h["accuracy"] is not None]
+        final = evaluated[-1]["accuracy"] if evaluated else None
+        return {
+            **start_record,
+            "rounds": self.cfg.rounds,
+            "final_accuracy": final,
+            "best_overall_accuracy": max((h["accuracy"]["overall"] for h in evaluated), default=None),
+            "bytes_up_total": sum(h["bytes_up"] for h in self.history),
+            "bytes_down_total": sum(h["bytes_down"] for h in self.history),
+            "wall_time_s": round(wall, 3),
+            "run_dir": str(self.run_dir.path) if self.run_dir else None,
+        }
+
+    def _save_models(self) -> None:
+        assert self.run_dir is not None
+        base = {"num_classes": self.ds.num_classes, "input_shape": list(self.ds.input_shape), "class_names": list(self.ds.class_names),
+                "dataset": self.ds.name, "round": self.cfg.rounds, "method": self.cfg.method.name}
+        globals_ = self.server.global_models()
+        for arch, state in globals_.items():
+            info = next(c for c in self.server.clients.values() if c.arch == arch)
+            meta = {**base, "arch": arch, "model": info.model, "model_options": info.model_options, "scope": "global"}
+            self.run_dir.save_model(f"global-{safe_name(arch)}", state, meta)
+        if not globals_:
+            for cid, client in self.clients.items():
+                slot = next(s for s in self.slots if s.client_id == cid)
+                meta = {**base, "arch": slot.group.arch, "model": slot.group.model, "model_options": slot.group.options,
+                        "scope": "client", "client_id": cid}
+                self.run_dir.save_model(f"{cid}-{safe_name(slot.group.arch)}", client.model.state_dict(), meta)
+
+
+def safe_name(arch: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in arch).strip("_")
+
+
+def round_line(record: dict[str, Any], total: int) -> str:
+    acc = record["accuracy"]
+    acc_txt = f"acc {acc['overall']:.4f}" if acc else "acc  -    "
+    return (
+        f"round {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
+        f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s"
+    )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"

@@ -1,0 +1,1 @@
+"""Firmware profiles (one TOML per device class), shipped as package data."""

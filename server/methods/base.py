@@ -1,0 +1,100 @@
+"""The server half of a method: turns uplink messages into what it sends back.
+
+The contract, shared by simulation and fleets:
+
+* :meth:`ServerHalf.downlink` says what a selected client receives at the start of a round;
+  it has no side effects, so a runner may call it for evaluation too;
+* :meth:`ServerHalf.receive` takes one uplink, at any time and in any order, and answers with a
+  :class:`Receipt`; a repeated message id is a harmless duplicate;
+* :meth:`ServerHalf.close_round` aggregates what the round brought.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from edgefl.algorithms.base import MethodOptions
+from edgefl.messages import Message
+from edgefl.models import build_model
+from edgefl.seeding import derive_seed
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """What the server knows of a device before any round: its architecture and data sizes."""
+
+    client_id: str
+    arch: str
+    model: str
+    model_options: dict[str, Any] = field(default_factory=dict)
+    num_samples: int = 0
+    class_counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Receipt:
+    status: Literal["accepted", "duplicate", "late", "rejected"]
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("accepted", "duplicate", "late")
+
+
+class ServerHalf:
+    asynchronous: bool = False  # whether reports from a closed round are still used
+
+    def __init__(
+        self,
+        clients: list[ClientInfo],
+        options: MethodOptions,
+        *,
+        seed: int,
+        num_classes: int,
+        input_shape: tuple[int, ...],
+    ) -> None:
+        self.clients = {c.client_id: c for c in clients}
+        self.options = options
+        self.seed = seed
+        self.num_classes = num_classes
+        self.input_shape = tuple(input_shape)
+        self.round = 0
+        self._seen_ids: set[str] = set()
+
+    def build_initial(self, arch: str) -> nn.Module:
+        """The shared starting point of an architecture, the same for every client that runs it."""
+        info = next(c for c in self.clients.values() if c.arch == arch)
+        torch.manual_seed(derive_seed(self.seed, "server-init", arch))
+        return build_model(info.model, num_classes=self.num_classes, input_shape=self.input_shape, **info.model_options)
+
+    # --- the contract -------------------------------------------------------------------
+    def downlink(self, round: int, client_id: str) -> Message | None:
+        return None
+
+    def receive(self, message: Message) -> Receipt:
+        if message.sender not in self.clients:
+            return Receipt("rejected", f"unknown sender {message.sender!r}")
+        if message.message_id in self._seen_ids:
+            return Receipt("duplicate")
+        receipt = self.accept(message)
+        if receipt.status in ("accepted", "late"):
+            self._seen_ids.add(message.message_id)
+        return receipt
+
+    def accept(self, message: Message) -> Receipt:
+        """Method-specific checks and storage of one new (non-duplicate) message."""
+        return Receipt("accepted")
+
+    def begin_round(self, round: int) -> None:
+        self.round = round
+
+    def close_round(self, round: int) -> dict[str, Any]:
+        return {}
+
+    def global_models(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Architecture -> weights of the models the server holds (none for knowledge methods)."""
+        return {}

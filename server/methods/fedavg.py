@@ -1,0 +1,78 @@
+"""FedAvg, server half: sample-weighted averaging within groups of the same architecture.
+
+Averaging across architectures is meaningless, so each architecture (model name plus its
+options, e.g. ``resnet18(width=0.25)``) is its own group with its own global model. Every group
+starts from weights the server builds from the run seed and hands out, so all members share
+their initial point. Float tensors (weights, batch-norm running statistics) are averaged;
+integer buffers (``num_batches_tracked``) take the largest value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from edgefl.messages import Message
+from edgefl.server.methods.base import Receipt, ServerHalf
+
+
+def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    total = float(sum(weights))
+    out: dict[str, torch.Tensor] = {}
+    for name in states[0]:
+        tensors = [s[name] for s in states]
+        if tensors[0].is_floating_point():
+            acc = torch.zeros_like(tensors[0], dtype=torch.float64)
+            for t, w in zip(tensors, weights):
+                acc += t.to(torch.float64) * (w / total)
+            out[name] = acc.to(tensors[0].dtype)
+        else:
+            out[name] = torch.stack(tensors).max(0).values
+    return out
+
+
+class FedAvgServer(ServerHalf):
+    def __init__(self, clients, options, **kw) -> None:
+        super().__init__(clients, options, **kw)
+        self.group_weights: dict[str, dict[str, torch.Tensor]] = {}
+        for arch in sorted({c.arch for c in self.clients.values()}):
+            model = self.build_initial(arch)
+            self.group_weights[arch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.pending: dict[str, Message] = {}
+
+    def downlink(self, round: int, client_id: str) -> Message | None:
+        arch = self.clients[client_id].arch
+        return Message("weights", round, "server", self.group_weights[arch], {"arch": arch})
+
+    def accept(self, message: Message) -> Receipt:
+        if message.kind != "weights":
+            return Receipt("rejected", f"expected weights, got {message.kind}")
+        if message.round != self.round:
+            return Receipt("late", f"round {message.round} closed; FedAvg uses only the current round")
+        reference = self.group_weights[self.clients[message.sender].arch]
+        if set(message.tensors) != set(reference):
+            return Receipt("rejected", "weights do not match the sender's architecture")
+        for name, t in message.tensors.items():
+            if t.shape != reference[name].shape or t.dtype != reference[name].dtype:
+                return Receipt("rejected", f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(reference[name].shape)} {reference[name].dtype}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return Receipt("rejected", f"{name} holds NaN or Inf")
+        if message.num_samples <= 0:
+            return Receipt("rejected", "num_samples must be positive")
+        if message.sender in self.pending:
+            return Receipt("rejected", "one update per device per round")
+        self.pending[message.sender] = message
+        return Receipt("accepted")
+
+    def close_round(self, round: int) -> dict[str, Any]:
+        groups: dict[str, list[Message]] = {}
+        for sender in sorted(self.pending):  # fixed order: the result does not depend on arrival order
+            groups.setdefault(self.clients[sender].arch, []).append(self.pending[sender])
+        for arch, msgs in groups.items():
+            self.group_weights[arch] = weighted_average([m.tensors for m in msgs], [m.num_samples for m in msgs])
+        self.pending = {}
+        return {"groups_updated": sorted(groups)}
+
+    def global_models(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.group_weights
