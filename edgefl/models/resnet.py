@@ -68,7 +68,9 @@ def build_resnet(
         raise ValueError(f"stem must be 'small' or 'imagenet', not {stem!r}")
     nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
     net.bn1 = nn.BatchNorm2d(base)
-    natural = net.fc.in_features
+    # torchvision sizes fc for 512 channels whatever the width: take the real last-stage width
+    natural = max(4, round(512 * width)) * block.expansion  # type: ignore[attr-defined]
+    net.fc = nn.Linear(natural, num_classes)
     extractor = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
     intermediate, feat = with_feature_width(
         nn.Sequential(net.layer1, net.layer2, net.layer3, net.layer4, net.avgpool, nn.Flatten(1)), natural, feature_dim

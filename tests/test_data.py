@@ -1,0 +1,200 @@
+"""IDX reader, dataset search and download, partitioners."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.server
+import threading
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgefl.data import class_counts, dirichlet, download_idx, iid, load_dataset, read_idx, shards, subsample, write_idx
+from edgefl.data.datasets import FILES, locate_idx_folder
+from edgefl.errors import ConfigError, DataError
+
+
+def make_idx_folder(folder: Path, n_train: int = 60, n_test: int = 20, compress: bool = True) -> Path:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    ext = ".gz" if compress else ""
+    write_idx(folder / f"{FILES['train_images']}{ext}", rng.integers(0, 256, (n_train, 28, 28)))
+    write_idx(folder / f"{FILES['train_labels']}{ext}", np.arange(n_train) % 10)
+    write_idx(folder / f"{FILES['test_images']}{ext}", rng.integers(0, 256, (n_test, 28, 28)))
+    write_idx(folder / f"{FILES['test_labels']}{ext}", np.arange(n_test) % 10)
+    return folder
+
+
+@pytest.fixture
+def isolated(monkeypatch, tmp_path):
+    """No system dataset, an empty cache: only what the test provides is found."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("EDGEFL_DATA", raising=False)
+    import edgefl.data.datasets as d
+
+    original = d.search_roots
+    monkeypatch.setattr(d, "search_roots", lambda data_dir: [r for r in original(data_dir) if str(r) != "/usr/share/datasets"])
+    return tmp_path
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_idx_round_trip(tmp_path, compress):
+    arr = np.random.default_rng(1).integers(0, 256, (5, 28, 28)).astype(np.uint8)
+    path = tmp_path / ("x.idx.gz" if compress else "x.idx")
+    write_idx(path, arr, compress=compress)
+    assert (path.read_bytes()[:2] == b"\x1f\x8b") == compress
+    np.testing.assert_array_equal(read_idx(path), arr)
+
+
+def test_idx_truncated_names_file_and_fix(tmp_path):
+    path = tmp_path / "imgs.idx"
+    write_idx(path, np.zeros((4, 28, 28)), compress=False)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(DataError, match=r"imgs.idx truncated.*\(4, 28, 28\)") as exc:
+        read_idx(path)
+    assert "fetch it again" in str(exc.value)
+
+
+def test_idx_bad_magic_trailing_bytes_and_damaged_gzip(tmp_path):
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"PK\x03\x04" + b"\x00" * 50)
+    with pytest.raises(DataError, match="not an IDX file"):
+        read_idx(bad)
+    extra = tmp_path / "extra"
+    write_idx(extra, np.zeros(10), compress=False)
+    extra.write_bytes(extra.read_bytes() + b"xx")
+    with pytest.raises(DataError, match="trailing bytes"):
+        read_idx(extra)
+    damaged = tmp_path / "d.gz"
+    blob = gzip.compress(b"\x00\x00\x08\x01" + np.random.default_rng(0).bytes(5000))
+    damaged.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(DataError, match="damaged gzip"):
+        read_idx(damaged)
+    with pytest.raises(DataError, match="cannot read"):
+        read_idx(tmp_path / "missing")
+
+
+def test_real_fashion_mnist_if_installed():
+    if locate_idx_folder("fashion-mnist") is None:
+        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+    ds = load_dataset("fashion-mnist", download=False)
+    assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
+    assert float(ds.x_train.max()) <= 1.0 and ds.num_classes == 10
+    assert np.bincount(ds.y_train.numpy()).tolist() == [6000] * 10
+
+
+def test_search_order_data_dir_then_env(isolated, monkeypatch):
+    a = make_idx_folder(isolated / "a" / "fashion-mnist", n_train=30)
+    b = make_idx_folder(isolated / "b", n_train=40)  # files directly in the folder also count
+    monkeypatch.setenv("EDGEFL_DATA", str(isolated / "b"))
+    assert len(load_dataset("fashion-mnist", data_dir=isolated / "a", download=False).y_train) == 30
+    assert len(load_dataset("fashion-mnist", download=False).y_train) == 40
+    assert locate_idx_folder("fashion-mnist", isolated / "a") == a and b.exists()
+
+
+def test_missing_dataset_error_lists_places_and_remedies(isolated):
+    with pytest.raises(DataError) as exc:
+        load_dataset("fashion-mnist", data_dir=isolated / "nowhere", download=False)
+    text = str(exc.value)
+    assert "nowhere" in text and "apt-get install dataset-fashion-mnist" in text and "--data-dir" in text
+
+
+def test_mismatched_files_are_an_error(isolated):
+    folder = make_idx_folder(isolated / "mix")
+    write_idx(folder / f"{FILES['train_labels']}.gz", np.zeros(7))
+    with pytest.raises(DataError, match="do not match"):
+        load_dataset("fashion-mnist", data_dir=folder, download=False)
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    root = tmp_path / "www"
+    make_idx_folder(root)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_Quiet, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+
+
+def _md5s(root: Path) -> dict[str, str]:
+    return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in root.glob("*.gz")}
+
+
+def test_download_from_local_server_verifies_md5(isolated, http_root):
+    root, url = http_root
+    dest = download_idx("fashion-mnist", isolated / "dl", base_url=url, md5=_md5s(root))
+    assert sorted(p.name for p in dest.glob("*.gz")) == sorted(f"{s}.gz" for s in FILES.values())
+    ds = load_dataset("fashion-mnist", data_dir=dest, download=False)
+    assert len(ds.y_train) == 60
+
+
+def test_corrupt_download_keeps_nothing(isolated, http_root):
+    root, url = http_root
+    sums = _md5s(root)
+    sums["train-images-idx3-ubyte.gz"] = "0" * 32
+    with pytest.raises(DataError, match="MD5 mismatch"):
+        download_idx("fashion-mnist", isolated / "dl", base_url=url, md5=sums)
+    assert not (isolated / "dl" / "train-images-idx3-ubyte.gz").exists()
+
+
+def test_unreachable_server_is_a_clear_error(isolated):
+    with pytest.raises(DataError, match="download of http://127.0.0.1:9/"):
+        download_idx("fashion-mnist", isolated / "dl", base_url="http://127.0.0.1:9/", timeout=2)
+
+
+def test_sklearn_sets():
+    digits = load_dataset("digits")
+    assert digits.input_shape == (1, 8, 8) and digits.num_classes == 10
+    bc = load_dataset("breast-cancer")
+    assert bc.input_shape == (30,) and bc.num_classes == 2
+    assert abs(float(bc.x_train.mean())) < 1e-4  # standardised on the training split
+    with pytest.raises(DataError, match="unknown dataset"):
+        load_dataset("cifar-11")
+
+
+LABELS = np.repeat(np.arange(10), 100)
+
+
+def test_iid_even_and_disjoint():
+    parts = iid(LABELS, 7, seed=0)
+    assert sorted(len(p) for p in parts) == [142] + [143] * 6
+    assert len(np.unique(np.concatenate(parts))) == 1000
+
+
+def test_dirichlet_is_seeded_skewed_and_respects_minimum():
+    a = dirichlet(LABELS, 10, 0.1, seed=3, min_samples=20)
+    b = dirichlet(LABELS, 10, 0.1, seed=3, min_samples=20)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert min(len(p) for p in a) >= 20
+    assert len(np.unique(np.concatenate(a))) == 1000
+    counts = class_counts(LABELS, a, 10)
+    assert (counts == 0).sum() > 10  # alpha 0.1: many clients miss many classes
+    iid_counts = class_counts(LABELS, dirichlet(LABELS, 10, 1000.0, seed=3), 10)
+    assert (iid_counts == 0).sum() == 0
+
+
+def test_dirichlet_bad_inputs():
+    with pytest.raises(ConfigError, match="alpha must be positive"):
+        dirichlet(LABELS, 10, 0.0)
+    with pytest.raises(ConfigError, match="cannot give 10 clients 200 samples"):
+        dirichlet(LABELS, 10, 0.5, min_samples=200)
+
+
+def test_shards_give_k_classes():
+    parts = shards(LABELS, 10, 2, seed=0)
+    assert all(len(np.unique(LABELS[p])) <= 2 for p in parts)
+    assert len(np.unique(np.concatenate(parts))) == 1000
+
+
+def test_subsample_caps_each_client():
+    parts = subsample(iid(LABELS, 4, seed=0), 50, seed=0)
+    assert [len(p) for p in parts] == [50] * 4
