@@ -21,7 +21,7 @@ def digits_config(method: str = "fedhe", rounds: int = 2, **overrides) -> dict:
         "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "min_samples": 20},
         "train": {"epochs": 1, "batch_size": 32, "optimizer": "adam", "lr": 0.003},
         "fleet": {"groups": [
-            {"model": "lenet5", "count": 2, "options": {}},
+            {"model": "fedhe-cnn-0", "count": 2, "options": {"width": 0.125}},
             {"model": "mlp", "count": 2, "options": {"hidden": [32, 16]}},
         ]},
         "eval": {"every": 1},

@@ -20,7 +20,7 @@ from edgefl.data import Dataset, load_dataset
 from edgefl.environment import machine, package_versions
 from edgefl.messages import Message, decode, encode
 from edgefl.rundir import RunDir
-from edgefl.sim.setup import build_client, build_server, device_slots, partition_record, sample_clients, test_subset
+from edgefl.sim.setup import build_client, check_models_fit, build_server, device_slots, partition_record, sample_clients, test_subset
 
 
 @dataclass
@@ -84,6 +84,7 @@ class Simulation:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.ds = dataset or load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
+        check_models_fit(cfg, self.ds)
         self.slots = device_slots(cfg, self.ds)
         self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
         self.server = build_server(cfg, self.ds, self.slots)

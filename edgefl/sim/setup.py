@@ -45,6 +45,26 @@ def partition(cfg: RunConfig, ds: Dataset) -> list[np.ndarray]:
     return parts
 
 
+def check_models_fit(cfg: RunConfig, ds: Dataset) -> None:
+    """Each group's architecture must take the dataset's input: one tiny forward per group, so a
+    mismatch is a config error naming the group rather than a shape error mid-run."""
+    from edgefl.errors import ConfigError
+    from edgefl.models import example_inputs
+
+    for i, group in enumerate(cfg.fleet.groups):
+        try:
+            model = build_model(group.model, num_classes=ds.num_classes, input_shape=ds.input_shape, **group.options)
+            model.eval()
+            with torch.no_grad():
+                model(*example_inputs(model, 2, ds.input_shape, ds.num_classes))
+        except (RuntimeError, ValueError) as exc:
+            shape = "x".join(map(str, ds.input_shape))
+            raise ConfigError(
+                f"fleet.groups[{i}]: model {group.arch} cannot take {ds.name} input {shape} ({str(exc).splitlines()[0]})",
+                hint="pick a model for this input size (`edgefl models` lists them) or another dataset",
+            ) from None
+
+
 def device_slots(cfg: RunConfig, ds: Dataset) -> list[DeviceSlot]:
     parts = partition(cfg, ds)
     slots, i = [], 0

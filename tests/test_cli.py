@@ -1,0 +1,69 @@
+"""The edgefl command as a user runs it: a real subprocess of the installed console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+EDGEFL = shutil.which("edgefl", path=str(Path(sys.executable).parent)) or "edgefl"
+
+
+def edgefl(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([EDGEFL, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_models_table_lists_the_zoo():
+    res = edgefl("models")
+    assert res.returncode == 0, res.stderr
+    for name in ("resnet18", "resnet50", "fedhe-cnn-9", "vgg9", "cvae-small", "cvae-large", "mlp", "lenet5", "cnn-small"):
+        assert name in res.stdout
+    assert "252.9M" in res.stdout  # VGG-9 FLOPs per sample, measured
+
+
+def test_simulate_example_then_report(tmp_path):
+    out = tmp_path / "run"
+    res = edgefl("simulate", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "rounds=2", "--out", str(out), "-q")
+    assert res.returncode == 0, res.stderr
+    assert "overall" in res.stdout and str(out) in res.stdout
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+    for png in ("accuracy.png", "communication.png", "partition.png"):
+        (out / "plots" / png).unlink()
+    res = edgefl("report", str(out))
+    assert res.returncode == 0, res.stderr
+    assert (out / "plots" / "accuracy.png").stat().st_size > 1000
+
+
+def test_show_config_prints_resolved_preset():
+    res = edgefl("simulate", "--show-config", "--set", "rounds=3")
+    assert res.returncode == 0 and "rounds = 3" in res.stdout and 'name = "fedhe"' in res.stdout
+    res = edgefl("simulate", "--show-config", "--preset", "paper")
+    assert res.returncode == 0 and "rounds = 50" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("simulate", "--set", "data.partiton=iid"), "did you mean 'partition'"),
+        (("simulate", "--set", "fleet.groups.0.model=resnet19"), "did you mean 'resnet18'"),
+        (("simulate", "no-such-file.toml"), "cannot read config"),
+        (("simulate", "--preset", "papr"), "did you mean 'paper'"),
+        (("report", "no-such-dir"), "is not a directory"),
+    ],
+)
+def test_bad_input_is_a_clear_error_without_traceback(args, message):
+    res = edgefl(*args)
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_report_on_a_folder_that_is_not_a_run(tmp_path):
+    res = edgefl("report", str(tmp_path))
+    assert res.returncode == 2 and "has no metrics.jsonl" in res.stderr
