@@ -26,6 +26,8 @@ def _pyplot():
 def draw_plots(run: RunDir) -> list[Path]:
     """Accuracy per round per architecture, the partition, and communication per round."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     metrics = run.metrics()
     out_dir = run.path / "plots"
     out_dir.mkdir(exist_ok=True)
@@ -40,6 +42,7 @@ def draw_plots(run: RunDir) -> list[Path]:
             ax.plot(rounds, [m["accuracy"]["per_arch"].get(arch) for m in evaluated], marker=".", linewidth=1, label=arch)
         ax.plot(rounds, [m["accuracy"]["overall"] for m in evaluated], color="black", linewidth=2.5, label="overall (mean)")
         ax.set(xlabel="round", ylabel="test accuracy", title="Accuracy per round and architecture")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         written.append(_save(fig, out_dir / "accuracy.png", plt))
@@ -49,6 +52,7 @@ def draw_plots(run: RunDir) -> list[Path]:
     ax.bar([r - 0.2 for r in rounds], [m["bytes_up"] for m in metrics], width=0.4, label="up (all clients)")
     ax.bar([r + 0.2 for r in rounds], [m["bytes_down"] for m in metrics], width=0.4, label="down (all clients)")
     ax.set(xlabel="round", ylabel="bytes", title="Communication per round (serialised messages)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if any(m["bytes_up"] or m["bytes_down"] for m in metrics):
         ax.set_yscale("log")
     ax.legend()
