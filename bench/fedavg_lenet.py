@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
 from common import load, run_config, save
 
 
@@ -21,7 +22,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet"])
     ap.add_argument("--paper", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 lets two benchmarks share 2 cores)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rounds, epochs = (50, 10) if args.paper else (args.rounds, args.epochs)
     ds = load()
     out = {}
@@ -40,7 +44,7 @@ def main() -> None:
         out[partition] = {"curve": curve, "final": curve[-1][1], "best": max(a for _, a in curve), "wall_s": time.perf_counter() - t0}
         print(f"{partition}: final {curve[-1][1]:.4f} best {out[partition]['best']:.4f}  ({out[partition]['wall_s']:.0f}s)", flush=True)
         print("  curve: " + " ".join(f"{r}:{a:.3f}" for r, a in curve), flush=True)
-    path = save("fedavg_lenet", {"args": vars(args), "rounds": rounds, "local_epochs": epochs, "results": out,
+    path = save("fedavg_lenet-" + "-".join(args.partitions), {"args": vars(args), "rounds": rounds, "local_epochs": epochs, "results": out,
                                  "flower_baseline": {"iid": 0.8923, "dirichlet": 0.8809}})
     print(f"wrote {path}")
 

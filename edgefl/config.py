@@ -233,7 +233,11 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
     try:
         method.options_model.model_validate(cfg.method.options())
     except ValidationError as exc:
-        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, method.options_model, 'method')}") from None
+        accepted = ", ".join(method.options_model.model_fields) or "none"
+        raise ConfigError(
+            f"{source} is invalid:\n{format_validation_error(exc, method.options_model, 'method')}",
+            hint=f"method {method.name!r} takes these options: {accepted}",
+        ) from None
     return cfg
 
 

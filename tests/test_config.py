@@ -77,6 +77,9 @@ def test_method_options_are_validated_by_the_method():
     raw = digits_config()
     raw["method"]["logit_loss"] = "l1"
     assert "method.logit_loss" in _error(raw)
+    raw = digits_config("local")
+    raw["method"]["alpha"] = 1.0  # an option of another method
+    assert "method 'local' takes these options: none" in _error(raw)
 
 
 def test_bad_files(tmp_path):
