@@ -17,6 +17,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from edgefl.data.views import ViewSettings
 from edgefl.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -63,6 +64,9 @@ class DataSettings(Strict):
     min_samples: int = Field(10, ge=1)
     samples_per_client: int | None = Field(None, ge=1, description="keep at most this many samples per client")
     test_samples: int | None = Field(None, ge=1, description="evaluate on a fixed random subset of the test set")
+    client_test_fraction: float | None = Field(
+        None, gt=0, lt=1, description="pool train+test, partition, and hold out this share of each device's data as its own test set"
+    )
 
     @field_validator("dataset")
     @classmethod
@@ -81,6 +85,7 @@ class GroupSettings(Strict):
     count: int = Field(1, ge=1)
     options: dict[str, Any] = Field(default_factory=dict, description="builder options, e.g. width")
     train: TrainOverride | None = None
+    view: ViewSettings | None = Field(None, description="per-device feature space (CHFL's heterogeneous inputs)")
 
     @field_validator("model")
     @classmethod

@@ -11,6 +11,7 @@ from torch import nn
 
 from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import TrainSettings
+from edgefl.data.views import View
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed, generator
 
@@ -33,6 +34,10 @@ class ClientSetup:
     num_classes: int
     train: TrainSettings
     seed: int
+    total_rounds: int = 1  # the planned number of rounds (CHFL's temperature schedule needs it)
+    view: View | None = None  # this device's feature space: applied to anything it evaluates
+    x_test: torch.Tensor | None = None  # the device's own held-out split, when it has one
+    y_test: torch.Tensor | None = None
 
 
 class ClientHalf:
@@ -72,5 +77,13 @@ class ClientHalf:
     def fit(self, downlink: Message | None, round: int) -> Message | None:
         raise NotImplementedError
 
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> float:
+    def evaluate(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None, batch_size: int = 1000) -> float:
+        """Accuracy on the device's own test split when it has one, else on ``x, y`` seen
+        through the device's view (raw inputs in, this device's features out)."""
+        if self.setup.x_test is not None:
+            return evaluate_accuracy(self.model, self.setup.x_test, self.setup.y_test, batch_size)
+        if x is None or y is None:
+            raise ValueError("this device has no test split of its own: pass x and y")
+        if self.setup.view is not None:
+            x = self.setup.view.apply(x)
         return evaluate_accuracy(self.model, x, y, batch_size)

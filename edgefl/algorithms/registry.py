@@ -64,6 +64,13 @@ METHODS: dict[str, MethodSpec] = {
             "edgefl.server.methods.fedhe:FedHeServer",
             "edgefl.algorithms.fedhe:FedHeOptions",
         ),
+        MethodSpec(
+            "chfl",
+            "CHFL (Liu et al.): private backbones, shared E x C head, decoupled KD at a decaying temperature",
+            "edgefl.algorithms.chfl:CHFLClient",
+            "edgefl.server.methods.chfl:CHFLServer",
+            "edgefl.algorithms.chfl:CHFLOptions",
+        ),
     )
 }
 

@@ -35,10 +35,14 @@ def train_local(
     y: torch.Tensor,
     cfg: TrainSettings,
     generator: torch.Generator,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
+    extras: tuple[torch.Tensor, ...] = (),
 ) -> TrainStats:
-    """Run ``cfg.epochs`` epochs (capped at ``cfg.max_steps`` batches) of ``loss_fn(xb, yb)``."""
+    """Run ``cfg.epochs`` epochs (capped at ``cfg.max_steps`` batches) of ``loss_fn(xb, yb, *extras_b)``.
+
+    ``extras`` are per-sample tensors (e.g. fixed teacher logits) batched alongside the data.
+    """
     model.train()
     opt = optimizer or make_optimizer(model.parameters(), cfg)
     n = len(y)
@@ -51,7 +55,7 @@ def train_local(
                 continue  # batch-norm cannot train on a single sample
             xb, yb = x[idx], y[idx]
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(xb, yb)
+            loss = loss_fn(xb, yb, *(e[idx] for e in extras))
             loss.backward()
             opt.step()
             steps += 1

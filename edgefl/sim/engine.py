@@ -20,7 +20,16 @@ from edgefl.data import Dataset, load_dataset
 from edgefl.environment import machine, package_versions
 from edgefl.messages import Message, decode, encode
 from edgefl.rundir import RunDir
-from edgefl.sim.setup import build_client, check_models_fit, build_server, device_slots, partition_record, sample_clients, test_subset
+from edgefl.sim.setup import (
+    build_client,
+    build_server,
+    check_models_fit,
+    device_slots,
+    partition_record,
+    pooled,
+    sample_clients,
+    test_subset,
+)
 
 
 @dataclass
@@ -83,9 +92,10 @@ class Simulation:
         self.on_round = on_round
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.ds = dataset or load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
-        check_models_fit(cfg, self.ds)
+        ds = dataset or load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
+        self.ds = pooled(ds) if cfg.data.client_test_fraction else ds
         self.slots = device_slots(cfg, self.ds)
+        check_models_fit(cfg, self.ds, self.slots)
         self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
         self.server = build_server(cfg, self.ds, self.slots)
         self.x_test, self.y_test = test_subset(cfg, self.ds)
@@ -129,7 +139,13 @@ class Simulation:
         cache: dict[str, float] = {}
         for cid, client in self.clients.items():
             arch = client.setup.arch
-            if holds_globals:
+            # a shared group model scores the same for every member, unless members see the
+            # data differently (own view or own test split)
+            personal = client.setup.view is not None or client.setup.x_test is not None
+            if holds_globals and personal:
+                client.receive(self.server.downlink(r + 1, cid))
+                per_client[cid] = client.evaluate(self.x_test, self.y_test, self.cfg.eval.batch_size)
+            elif holds_globals:
                 if arch not in cache:
                     client.receive(self.server.downlink(r + 1, cid))
                     cache[arch] = client.evaluate(self.x_test, self.y_test, self.cfg.eval.batch_size)
@@ -213,14 +229,16 @@ class Simulation:
         globals_ = self.server.global_models()
         for arch, state in globals_.items():
             info = next(c for c in self.server.clients.values() if c.arch == arch)
-            meta = {**base, "arch": arch, "model": info.model, "model_options": info.model_options, "scope": "global"}
+            meta = {**base, "arch": arch, "model": info.model, "model_options": info.model_options, "scope": "global",
+                    "input_shape": list(info.input_shape or self.ds.input_shape)}
             self.run_dir.save_model(f"global-{safe_name(arch)}", state, meta)
         if not globals_:
             for cid, client in self.clients.items():
                 slot = next(s for s in self.slots if s.client_id == cid)
-                meta = {**base, "arch": slot.group.arch, "model": slot.group.model, "model_options": slot.group.options,
-                        "scope": "client", "client_id": cid}
-                self.run_dir.save_model(f"{cid}-{safe_name(slot.group.arch)}", client.model.state_dict(), meta)
+                meta = {**base, "arch": slot.arch, "model": slot.group.model, "model_options": slot.model_options,
+                        "scope": "client", "client_id": cid, "input_shape": list(slot.input_shape(self.ds)),
+                        "view": slot.group.view.model_dump(exclude_none=True) if slot.group.view else None}
+                self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
 
 
 def safe_name(arch: str) -> str:

@@ -1,13 +1,15 @@
 """Turning a config into devices: data partition, client halves and the server half.
 
 Shared by the in-process simulation and the fleet runners, so a device built here and a device
-process started from the same config and index hold identical data and initial weights.
+process started from the same config and index hold identical data, feature space and initial
+weights.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,18 +17,42 @@ import torch
 from edgefl.algorithms import ClientHalf, ClientSetup, get_method
 from edgefl.config import GroupSettings, RunConfig
 from edgefl.data import Dataset, class_counts, dirichlet, iid, shards, subsample
-from edgefl.models import build_model
+from edgefl.data.views import View, make_view
+from edgefl.errors import ConfigError
+from edgefl.models import build_model, example_inputs
 from edgefl.seeding import derive_seed
+
+#: hidden sizes a ``hidden = "random"`` MLP draws from (CHFL's randomly generated client MLPs)
+RANDOM_MLP_DEPTHS = (1, 2, 3)
+RANDOM_MLP_WIDTHS = (16, 32, 64, 128)
 
 
 @dataclass
 class DeviceSlot:
-    """One device of the fleet: its id, group and the indices of its training samples."""
+    """One device of the fleet, fully resolved: id, architecture, feature space and data."""
 
     client_id: str
     index: int
     group: GroupSettings
     sample_indices: np.ndarray
+    test_indices: np.ndarray | None = None
+    model_options: dict[str, Any] = field(default_factory=dict)
+    view: View | None = None
+
+    @property
+    def arch(self) -> str:
+        if not self.model_options:
+            return self.group.model
+        return f"{self.group.model}({','.join(f'{k}={v}' for k, v in sorted(self.model_options.items()))})"
+
+    def input_shape(self, ds: Dataset) -> tuple[int, ...]:
+        return self.view.output_shape if self.view else ds.input_shape
+
+
+def pooled(ds: Dataset) -> Dataset:
+    """Train and test in one pool, for configs where each device holds out its own test split."""
+    return Dataset(ds.name, torch.cat([ds.x_train, ds.x_test]), torch.cat([ds.y_train, ds.y_test]),
+                   ds.x_test[:0], ds.y_test[:0], ds.class_names, ds.source + " (train+test pooled)")
 
 
 def partition(cfg: RunConfig, ds: Dataset) -> list[np.ndarray]:
@@ -45,35 +71,56 @@ def partition(cfg: RunConfig, ds: Dataset) -> list[np.ndarray]:
     return parts
 
 
-def check_models_fit(cfg: RunConfig, ds: Dataset) -> None:
-    """Each group's architecture must take the dataset's input: one tiny forward per group, so a
-    mismatch is a config error naming the group rather than a shape error mid-run."""
-    from edgefl.errors import ConfigError
-    from edgefl.models import example_inputs
-
-    for i, group in enumerate(cfg.fleet.groups):
-        try:
-            model = build_model(group.model, num_classes=ds.num_classes, input_shape=ds.input_shape, **group.options)
-            model.eval()
-            with torch.no_grad():
-                model(*example_inputs(model, 2, ds.input_shape, ds.num_classes))
-        except (RuntimeError, ValueError) as exc:
-            shape = "x".join(map(str, ds.input_shape))
-            raise ConfigError(
-                f"fleet.groups[{i}]: model {group.arch} cannot take {ds.name} input {shape} ({str(exc).splitlines()[0]})",
-                hint="pick a model for this input size (`edgefl models` lists them) or another dataset",
-            ) from None
+def _resolve_options(cfg: RunConfig, group: GroupSettings, client_id: str) -> dict[str, Any]:
+    options = dict(group.options)
+    if group.model == "mlp" and options.get("hidden") == "random":
+        rng = np.random.default_rng(derive_seed(cfg.seed, "mlp-shape", client_id))
+        depth = int(rng.choice(RANDOM_MLP_DEPTHS))
+        options["hidden"] = sorted((int(rng.choice(RANDOM_MLP_WIDTHS)) for _ in range(depth)), reverse=True)
+    return options
 
 
 def device_slots(cfg: RunConfig, ds: Dataset) -> list[DeviceSlot]:
     parts = partition(cfg, ds)
+    frac = cfg.data.client_test_fraction
     slots, i = [], 0
     width = len(str(cfg.fleet.num_clients - 1))
     for group in cfg.fleet.groups:
         for _ in range(group.count):
-            slots.append(DeviceSlot(f"client-{i:0{width}d}", i, group, parts[i]))
+            cid = f"client-{i:0{width}d}"
+            train_idx, test_idx = parts[i], None
+            if frac is not None:
+                order = np.random.default_rng(derive_seed(cfg.seed, "client-test", cid)).permutation(parts[i])
+                n_test = max(1, int(round(frac * len(order))))
+                test_idx, train_idx = np.sort(order[:n_test]), np.sort(order[n_test:])
+            view = make_view(group.view, ds.input_shape, cfg.seed, cid) if group.view else None
+            slots.append(DeviceSlot(cid, i, group, train_idx, test_idx, _resolve_options(cfg, group, cid), view))
             i += 1
     return slots
+
+
+def check_models_fit(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]) -> None:
+    """Each device's architecture must take its input: one tiny forward per distinct
+    (architecture, input shape), so a mismatch is a config error naming the group rather than a
+    shape error mid-run."""
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for slot in slots:
+        shape = slot.input_shape(ds)
+        if (slot.arch, shape) in seen:
+            continue
+        seen.add((slot.arch, shape))
+        group_index = cfg.fleet.groups.index(slot.group)
+        try:
+            model = build_model(slot.group.model, num_classes=ds.num_classes, input_shape=shape, **slot.model_options)
+            model.eval()
+            with torch.no_grad():
+                model(*example_inputs(model, 2, shape, ds.num_classes))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"fleet.groups[{group_index}]: model {slot.arch} cannot take {ds.name} input "
+                f"{'x'.join(map(str, shape))} ({str(exc).splitlines()[0]})",
+                hint="pick a model for this input size (`edgefl models` lists them) or another dataset or view",
+            ) from None
 
 
 def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:
@@ -81,7 +128,12 @@ def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:
     return {
         "class_names": list(ds.class_names),
         "clients": [
-            {"client_id": s.client_id, "arch": s.group.arch, "num_samples": int(len(s.sample_indices)), "class_counts": counts[k].tolist()}
+            {
+                "client_id": s.client_id, "arch": s.arch, "num_samples": int(len(s.sample_indices)),
+                "num_test": None if s.test_indices is None else int(len(s.test_indices)),
+                "input_shape": list(s.input_shape(ds)), "view": s.group.view.model_dump(exclude_none=True) if s.group.view else None,
+                "class_counts": counts[k].tolist(),
+            }
             for k, s in enumerate(slots)
         ],
     }
@@ -90,17 +142,18 @@ def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:
 def build_client(cfg: RunConfig, ds: Dataset, slot: DeviceSlot) -> ClientHalf:
     method = get_method(cfg.method.name)
     torch.manual_seed(derive_seed(cfg.seed, "client-init", slot.client_id))
-    model = build_model(slot.group.model, num_classes=ds.num_classes, input_shape=ds.input_shape, **slot.group.options)
-    idx = torch.from_numpy(slot.sample_indices)
+    model = build_model(slot.group.model, num_classes=ds.num_classes, input_shape=slot.input_shape(ds), **slot.model_options)
+
+    def take(indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.from_numpy(indices)
+        x = ds.x_train[idx]
+        return (slot.view.apply(x) if slot.view else x), ds.y_train[idx]
+
+    x, y = take(slot.sample_indices)
+    x_test, y_test = take(slot.test_indices) if slot.test_indices is not None else (None, None)
     setup = ClientSetup(
-        client_id=slot.client_id,
-        arch=slot.group.arch,
-        model=model,
-        x=ds.x_train[idx],
-        y=ds.y_train[idx],
-        num_classes=ds.num_classes,
-        train=cfg.train_for(slot.group),
-        seed=cfg.seed,
+        client_id=slot.client_id, arch=slot.arch, model=model, x=x, y=y, num_classes=ds.num_classes,
+        train=cfg.train_for(slot.group), seed=cfg.seed, total_rounds=cfg.rounds, view=slot.view, x_test=x_test, y_test=y_test,
     )
     return method.client_class()(setup, method.parse_options(cfg.method.options()))
 
@@ -111,7 +164,8 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
     method = get_method(cfg.method.name)
     counts = class_counts(ds.y_train.numpy(), [s.sample_indices for s in slots], ds.num_classes)
     infos = [
-        ClientInfo(s.client_id, s.group.arch, s.group.model, dict(s.group.options), int(len(s.sample_indices)), tuple(counts[k].tolist()))
+        ClientInfo(s.client_id, s.arch, s.group.model, dict(s.model_options), int(len(s.sample_indices)),
+                   tuple(counts[k].tolist()), tuple(s.input_shape(ds)))
         for k, s in enumerate(slots)
     ]
     return method.server_class()(
@@ -120,7 +174,7 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
 
 
 def test_subset(cfg: RunConfig, ds: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """The evaluation set: the whole test split, or a fixed subset (the same for every run seed)."""
+    """The shared evaluation set: the whole test split, or a fixed subset (the same for every run seed)."""
     n = cfg.data.test_samples
     if n is None or n >= len(ds.y_test):
         return ds.x_test, ds.y_test

@@ -33,6 +33,7 @@ class ClientInfo:
     model_options: dict[str, Any] = field(default_factory=dict)
     num_samples: int = 0
     class_counts: tuple[int, ...] = ()
+    input_shape: tuple[int, ...] = ()  # the device's own feature space (empty: the dataset's)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class ServerHalf:
         """The shared starting point of an architecture, the same for every client that runs it."""
         info = next(c for c in self.clients.values() if c.arch == arch)
         torch.manual_seed(derive_seed(self.seed, "server-init", arch))
-        return build_model(info.model, num_classes=self.num_classes, input_shape=self.input_shape, **info.model_options)
+        shape = info.input_shape or self.input_shape
+        return build_model(info.model, num_classes=self.num_classes, input_shape=shape, **info.model_options)
 
     # --- the contract -------------------------------------------------------------------
     def downlink(self, round: int, client_id: str) -> Message | None:

@@ -1,0 +1,60 @@
+"""CHFL, server half: the global head is the mean of the local heads after every epoch.
+
+Paper Eq. 4 writes a sum of the K heads; summing would scale the logits by K, so we read it as
+the mean (weighted by sample count by default, ``weighted = false`` for the plain mean), the
+usual parameter-decoupling aggregation. The server knows nothing of the devices' backbones or
+feature spaces: it sees heads of shape C x E only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from edgefl.messages import Message
+from edgefl.seeding import derive_seed
+from edgefl.server.methods.base import Receipt, ServerHalf
+from edgefl.server.methods.fedavg import weighted_average
+
+
+class CHFLServer(ServerHalf):
+    def __init__(self, clients, options, **kw) -> None:
+        super().__init__(clients, options, **kw)
+        torch.manual_seed(derive_seed(self.seed, "server-init", "chfl-head"))
+        head = nn.Linear(options.embedding_dim, self.num_classes)
+        self.global_head = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        self.pending: dict[str, Message] = {}
+
+    def downlink(self, round: int, client_id: str) -> Message | None:
+        return Message("head", round, "server", self.global_head, {"embedding_dim": self.options.embedding_dim})
+
+    def accept(self, message: Message) -> Receipt:
+        if message.kind != "head":
+            return Receipt("rejected", f"expected head, got {message.kind}")
+        if message.round != self.round:
+            return Receipt("late", f"epoch {message.round} closed; heads are averaged per epoch")
+        if set(message.tensors) != set(self.global_head):
+            return Receipt("rejected", f"a head has tensors {sorted(self.global_head)}, got {sorted(message.tensors)}")
+        for name, t in message.tensors.items():
+            ref = self.global_head[name]
+            if t.shape != ref.shape or not t.is_floating_point():
+                return Receipt("rejected", f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} float")
+            if not bool(torch.isfinite(t).all()):
+                return Receipt("rejected", f"{name} holds NaN or Inf")
+        if message.num_samples <= 0:
+            return Receipt("rejected", "num_samples must be positive")
+        if message.sender in self.pending:
+            return Receipt("rejected", "one head per device per epoch")
+        self.pending[message.sender] = message
+        return Receipt("accepted")
+
+    def close_round(self, round: int) -> dict[str, Any]:
+        if self.pending:
+            msgs = [self.pending[s] for s in sorted(self.pending)]
+            weights = [m.num_samples if self.options.weighted else 1 for m in msgs]
+            self.global_head = weighted_average([{k: v.float() for k, v in m.tensors.items()} for m in msgs], weights)
+        n = len(self.pending)
+        self.pending = {}
+        return {"heads_averaged": n}
