@@ -139,9 +139,12 @@ def test_server_rejects_what_is_not_a_head():
     s.begin_round(2)
     bad = head("c0", 1.0, 10, round=2)
     bad.tensors["backbone.weight"] = torch.zeros(3)
-    assert "a head has tensors" in s.receive(bad).reason
+    assert "head does not match: missing [], unexpected ['backbone.weight']" in s.receive(bad).reason
     wrong_shape = Message("head", 2, "c0", {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, {"num_samples": 5})
     assert "expected (2, 2)" in s.receive(wrong_shape).reason
+    again = head("c0", 1.0, 10, round=2)
+    assert s.receive(again).status == "accepted"
+    assert "one head upload per device" in s.receive(head("c0", 2.0, 10, round=2)).reason
     assert s.receive(head("c0", 1.0, 10, round=1)).status == "late"
     assert "NaN" in s.receive(head("c1", float("nan"), 10, round=2)).reason
 

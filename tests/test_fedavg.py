@@ -64,6 +64,6 @@ def test_wrong_architecture_late_and_repeated_updates():
     assert s.receive(_update(s, "a0", 1.0, 10, round=1)).status == "late"
     assert s.receive(_update(s, "a0", 1.0, 10, round=2)).status == "accepted"
     r = s.receive(_update(s, "a0", 2.0, 10, round=2))
-    assert r.status == "rejected" and "one update" in r.reason
+    assert r.status == "rejected" and "one weights upload per device per round" in r.reason
     nan = _update(s, "a1", float("nan"), 10, round=2)
     assert "NaN" in s.receive(nan).reason

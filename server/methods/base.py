@@ -46,6 +46,21 @@ class Receipt:
         return self.status in ("accepted", "duplicate", "late")
 
 
+def state_mismatch(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], what: str) -> str | None:
+    """Why ``tensors`` cannot stand in for ``reference`` (names, shapes, dtypes, finite values),
+    or None when it can."""
+    if set(tensors) != set(reference):
+        missing, extra = sorted(set(reference) - set(tensors)), sorted(set(tensors) - set(reference))
+        return f"{what} does not match: missing {missing[:3]}, unexpected {extra[:3]}"
+    for name, t in tensors.items():
+        ref = reference[name]
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            return f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} {ref.dtype}"
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{name} holds NaN or Inf"
+    return None
+
+
 class ServerHalf:
     asynchronous: bool = False  # whether reports from a closed round are still used
 
@@ -89,6 +104,22 @@ class ServerHalf:
 
     def accept(self, message: Message) -> Receipt:
         """Method-specific checks and storage of one new (non-duplicate) message."""
+        return Receipt("accepted")
+
+    def hold_update(self, message: Message, reference: dict[str, torch.Tensor], what: str) -> Receipt:
+        """Check a synchronous upload against ``reference`` and keep it in ``self.pending``
+        (one per device per round) until :meth:`close_round` aggregates it."""
+        if message.round != self.round:
+            return Receipt("late", f"round {message.round} closed; only the current round's {what} is used")
+        problem = state_mismatch(message.tensors, reference, what)
+        if problem:
+            return Receipt("rejected", problem)
+        if message.num_samples <= 0:
+            return Receipt("rejected", "num_samples must be positive")
+        pending: dict[str, Message] = self.__dict__.setdefault("pending", {})
+        if message.sender in pending:
+            return Receipt("rejected", f"one {what} upload per device per round")
+        pending[message.sender] = message
         return Receipt("accepted")
 
     def begin_round(self, round: int) -> None:

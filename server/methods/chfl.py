@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed
 from edgefl.server.methods.base import Receipt, ServerHalf
@@ -33,22 +34,7 @@ class CHFLServer(ServerHalf):
     def accept(self, message: Message) -> Receipt:
         if message.kind != "head":
             return Receipt("rejected", f"expected head, got {message.kind}")
-        if message.round != self.round:
-            return Receipt("late", f"epoch {message.round} closed; heads are averaged per epoch")
-        if set(message.tensors) != set(self.global_head):
-            return Receipt("rejected", f"a head has tensors {sorted(self.global_head)}, got {sorted(message.tensors)}")
-        for name, t in message.tensors.items():
-            ref = self.global_head[name]
-            if t.shape != ref.shape or not t.is_floating_point():
-                return Receipt("rejected", f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} float")
-            if not bool(torch.isfinite(t).all()):
-                return Receipt("rejected", f"{name} holds NaN or Inf")
-        if message.num_samples <= 0:
-            return Receipt("rejected", "num_samples must be positive")
-        if message.sender in self.pending:
-            return Receipt("rejected", "one head per device per epoch")
-        self.pending[message.sender] = message
-        return Receipt("accepted")
+        return self.hold_update(message, self.global_head, "head")
 
     def close_round(self, round: int) -> dict[str, Any]:
         if self.pending:

@@ -48,22 +48,7 @@ class FedAvgServer(ServerHalf):
     def accept(self, message: Message) -> Receipt:
         if message.kind != "weights":
             return Receipt("rejected", f"expected weights, got {message.kind}")
-        if message.round != self.round:
-            return Receipt("late", f"round {message.round} closed; FedAvg uses only the current round")
-        reference = self.group_weights[self.clients[message.sender].arch]
-        if set(message.tensors) != set(reference):
-            return Receipt("rejected", "weights do not match the sender's architecture")
-        for name, t in message.tensors.items():
-            if t.shape != reference[name].shape or t.dtype != reference[name].dtype:
-                return Receipt("rejected", f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(reference[name].shape)} {reference[name].dtype}")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                return Receipt("rejected", f"{name} holds NaN or Inf")
-        if message.num_samples <= 0:
-            return Receipt("rejected", "num_samples must be positive")
-        if message.sender in self.pending:
-            return Receipt("rejected", "one update per device per round")
-        self.pending[message.sender] = message
-        return Receipt("accepted")
+        return self.hold_update(message, self.group_weights[self.clients[message.sender].arch], "weights")
 
     def close_round(self, round: int) -> dict[str, Any]:
         groups: dict[str, list[Message]] = {}
