@@ -156,6 +156,13 @@ def test_embedding_width_mismatch_is_a_clear_error():
         run(raw)
 
 
+def test_more_than_one_epoch_per_round_is_refused():
+    raw = tabular()
+    raw["train"]["epochs"] = 2
+    with pytest.raises(ConfigError, match="set train.epochs = 1"):
+        run(raw)
+
+
 def test_image_devices_with_different_feature_spaces():
     raw = {
         "name": "test-chfl-img", "seed": 0, "rounds": 2, "method": {"name": "chfl", "embedding_dim": 32},

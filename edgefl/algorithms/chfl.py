@@ -55,6 +55,11 @@ class CHFLClient(ClientHalf):
                 f"{options.embedding_dim}",
                 hint=f"set options.feature_dim = {options.embedding_dim} in every fleet group (or method.embedding_dim)",
             )
+        if setup.train.epochs != 1:
+            raise ConfigError(
+                f"CHFL aggregates heads after every local epoch, but {setup.client_id} trains {setup.train.epochs} epochs a round",
+                hint="set train.epochs = 1 (one round is one epoch) and raise rounds instead",
+            )
         self.global_head: dict[str, torch.Tensor] | None = None
 
     def head_state(self) -> dict[str, torch.Tensor]:
