@@ -70,7 +70,7 @@ def test_devices_with_different_input_widths_train_together():
     assert sorted(widths.values()) == [5, 15, 15]
     cols = [tuple(c.setup.view.columns.tolist()) for c in sim.clients.values()]
     assert len(set(cols)) == 3  # each device its own feature subset
-    assert all(r == "accepted" for r in sim.history[-1]["receipts"].values())
+    assert all(set(h["receipts"].values()) == {"accepted"} for h in sim.history)
     acc = sim.history[-1]["accuracy"]
     assert 0.5 < acc["overall"] <= 1.0 and len(acc["per_client"]) == 3
     # random MLP shapes are per device and reproducible
@@ -175,7 +175,12 @@ def test_image_devices_with_different_feature_spaces():
             {"model": "fedhe-cnn-1", "options": {"width": 0.125, "feature_dim": 32}, "view": {"kind": "crop", "size": 6}},
         ]},
     }
-    sim = run(raw)
-    shapes = [tuple(c.setup.x.shape[1:]) for c in sim.clients.values()]
-    assert shapes == [(1, 8, 8), (1, 8, 8), (3, 8, 8), (1, 6, 6)]
-    assert sim.history[-1]["accuracy"]["overall"] > 0.2
+    for mode in ("kd", "avg"):
+        raw["method"]["mode"] = mode
+        sim = run(raw)
+        shapes = [tuple(c.setup.x.shape[1:]) for c in sim.clients.values()]
+        assert shapes == [(1, 8, 8), (1, 8, 8), (3, 8, 8), (1, 6, 6)]
+        # every head is accepted, including those of zoo models whose own head has no bias
+        assert all(set(h["receipts"].values()) == {"accepted"} for h in sim.history)
+        assert sim.history[-1]["server"]["heads_averaged"] == 4
+        assert sim.history[-1]["accuracy"]["overall"] > 0.2

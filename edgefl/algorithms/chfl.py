@@ -32,6 +32,7 @@ from edgefl.algorithms.fedavg import load_weights
 from edgefl.algorithms.training import train_local
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
+from edgefl.seeding import derive_seed
 
 
 class CHFLOptions(MethodOptions):
@@ -48,6 +49,11 @@ class CHFLClient(ClientHalf):
     def __init__(self, setup, options: CHFLOptions) -> None:
         super().__init__(setup, options)
         head = self.model.head
+        if isinstance(head, torch.nn.Linear) and head.bias is None:
+            # The federation's head is Linear(E, C) with bias; zoo models whose head has none
+            # (the FedHe CNNs) get one, so every device's head has the same shape.
+            torch.manual_seed(derive_seed(setup.seed, "chfl-head", setup.client_id))
+            self.model.head = head = torch.nn.Linear(head.in_features, head.out_features)
         if not isinstance(head, torch.nn.Linear) or head.in_features != options.embedding_dim:
             width = getattr(head, "in_features", "?")
             raise ConfigError(
