@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet"])
     ap.add_argument("--methods", nargs="+", default=["fedhe", "local", "fedavg"])
+    ap.add_argument("--fedavg-seeds", type=int, nargs="+", default=None,
+                    help="seeds for FedAvg-groups (default: --seeds); with one device per architecture it equals Local-only")
     ap.add_argument("--paper", action="store_true", help="paper-scale settings (hours on 2 cores)")
     args = ap.parse_args()
     if args.threads:
@@ -57,6 +59,8 @@ def main() -> None:
     for partition in args.partitions:
         for seed in args.seeds:
             for method in args.methods:
+                if method == "fedavg" and args.fedavg_seeds is not None and seed not in args.fedavg_seeds:
+                    continue
                 out = run_config(config(method, partition, seed, args), ds)
                 s = out["summary"]
                 acc = s["final_accuracy"]
@@ -70,8 +74,9 @@ def main() -> None:
     for partition in args.partitions:
         row = {}
         for method in args.methods:
-            m, sd = mean_std([r["final"] for r in results if r["method"] == method and r["partition"] == partition])
-            row[method] = {"mean": m, "std": sd}
+            vals = [r["final"] for r in results if r["method"] == method and r["partition"] == partition]
+            m, sd = mean_std(vals)
+            row[method] = {"mean": m, "std": sd, "seeds": len(vals)}
         table[partition] = row
         print(f"{partition:10s} " + " ".join(f"{row[m]['mean']:.4f} +- {row[m]['std']:.4f}" for m in args.methods))
     path = save("fedhe_vs_baselines-" + "-".join(args.partitions), {"args": vars(args), "runs": results, "table": table})
