@@ -41,7 +41,14 @@ def simulate(
     n = cfg.fleet.num_clients
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
-    Simulation(cfg, run, console=err, show_progress=not quiet).run()
+    try:
+        Simulation(cfg, run, console=err, show_progress=not quiet).run()
+    except KeyboardInterrupt:
+        done = len(run.metrics()) if (run.path / "metrics.jsonl").is_file() else 0
+        if done:
+            draw_plots(run)
+        err.print(f"interrupted after {done} of {cfg.rounds} rounds; what ran is in {run.path} (edgefl report {run.path})")
+        raise typer.Exit(130) from None
     draw_plots(run)
     out.print(accuracy_table(run))
     out.print(communication_table(run))

@@ -67,3 +67,23 @@ def test_bad_input_is_a_clear_error_without_traceback(args, message):
 def test_report_on_a_folder_that_is_not_a_run(tmp_path):
     res = edgefl("report", str(tmp_path))
     assert res.returncode == 2 and "has no metrics.jsonl" in res.stderr
+
+
+def test_interrupt_keeps_what_ran(tmp_path):
+    """Ctrl-C mid-run: no traceback, the finished rounds stay in the run directory."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [EDGEFL, "simulate", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "rounds=500", "--out", str(out), "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted after" in stderr and "Traceback" not in stderr
+    assert (out / "metrics.jsonl").read_text().count("\n") >= 2 and (out / "plots" / "accuracy.png").is_file()
