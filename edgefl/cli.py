@@ -78,6 +78,33 @@ def models(
 
 
 @app.command()
+def profiles() -> None:
+    """List the shipped device profiles (firmware_profiles/): class, CPU, RAM, training budget, speed."""
+    from edgefl.profile import catalog
+
+    table = Table(title="edgefl device profiles (s = spec, m = measured, d = derived, ? = unknown)")
+    for col in ("id", "class", "name", "cpu", "RAM", "training budget", "eff. GFLOP/s", "trains with"):
+        table.add_column(col, no_wrap=col not in ("name",))
+    for p in catalog().values():
+        table.add_row(p.id, p.device_class, p.name, f"{p.cpu.model}", _qty(p.memory.ram_bytes, _bytes),
+                      _qty(p.memory.training_budget_bytes, _bytes), _qty(p.compute.effective_gflops, lambda v: f"{v:g}"),
+                      ", ".join(p.runtimes.trains_with) or "-")
+    out.print(table)
+
+
+def _bytes(v: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if v < 1024:
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} PiB"
+
+
+def _qty(q, fmt) -> str:
+    return "?" if not q.known else f"{fmt(q.value)} ({q.kind[0]})"
+
+
+@app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
     """Re-draw a run's plots and print its tables."""
     from edgefl.report import accuracy_table, communication_table, draw_plots
