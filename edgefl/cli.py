@@ -77,6 +77,80 @@ def models(
     out.print(table)
 
 
+@app.command("device-profile")
+def device_profile(
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="write the profile (catalog schema, TOML)")] = None,
+    models_: Annotated[str, typer.Option("--models", help="comma-separated candidates, e.g. lenet5,resnet18:width=0.25")] = "",
+    quick: Annotated[bool, typer.Option("--quick", help="two small models, short runs (under 20 s)")] = False,
+    batch: Annotated[int, typer.Option(help="training batch size")] = 32,
+    steps: Annotated[int, typer.Option(help="timed training steps per model")] = 5,
+    broker: Annotated[Optional[str], typer.Option(help="also measure round trip and throughput to mqtt://HOST:PORT")] = None,
+    profile_id: Annotated[Optional[str], typer.Option("--id", help="profile id (default: from the hostname)")] = None,
+    device_class: Annotated[Optional[str], typer.Option("--class", help="mcu|sbc|jetson|phone|laptop|server (default: guessed)")] = None,
+    runs_dir: Annotated[Path, typer.Option(help="where runs are kept (its free space is reported)")] = Path("."),
+) -> None:
+    """Measure this machine: identity, CPU, memory, storage, accelerator, matmul speed, and each
+    candidate model's training step (time, effective GFLOP/s, peak memory in a child process)."""
+    import tomli_w
+
+    from edgefl.profile.measure import DEFAULT_MODELS, QUICK_MODELS, ModelCandidate, profile_host
+
+    names = [m for m in models_.split(",") if m.strip()] or (QUICK_MODELS if quick else DEFAULT_MODELS)
+    candidates = [ModelCandidate.parse(m) for m in names]
+    if quick:
+        steps, batch = min(steps, 3), min(batch, 16)
+    total = 2 + len(candidates) + (1 if broker else 0)
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("measuring", total=total)
+
+        def step(msg: str) -> None:
+            progress.update(task, description=msg, advance=1)
+            if not err.is_terminal:
+                err.print(f"measuring {msg}")
+
+        profile, details = profile_host(
+            candidates, batch=batch, steps=steps, matmul_n=512 if quick else 1024, matmul_seconds=0.5 if quick else 2.0,
+            runs_dir=runs_dir, broker=broker, profile_id=profile_id, device_class=device_class, on_step=step,
+        )
+    host = Table(title=f"device profile: {profile.name}")
+    host.add_column("fact")
+    host.add_column("value")
+    for fact, value in (
+        ("class", profile.device_class), ("os / arch", f"{profile.identity.os} / {profile.identity.arch}"),
+        ("python / torch", f"{profile.identity.python} / {profile.identity.torch}"), ("cpu", profile.cpu.model),
+        ("cores / clock", f"{_qty(profile.cpu.cores, lambda v: f'{v:g}')} / {_qty(profile.cpu.clock_mhz, lambda v: f'{v:g} MHz')}"),
+        ("RAM / available", f"{_qty(profile.memory.ram_bytes, _bytes)} / {_qty(profile.memory.training_budget_bytes, _bytes)}"),
+        ("free storage", _qty(profile.memory.storage_bytes, _bytes)),
+        ("accelerator", profile.accelerator.name or profile.accelerator.type),
+        ("matmul fp32", _qty(profile.compute.matmul_gflops, lambda v: f"{v:g} GFLOP/s")),
+        ("effective training", _qty(profile.compute.effective_gflops, lambda v: f"{v:g} GFLOP/s")),
+    ):
+        host.add_row(fact, str(value))
+    if "broker" in details:
+        b = details["broker"]
+        host.add_row("broker", f"{b['url']}: RTT {b['rtt_ms_p50']:.2f} ms (p50), {b['throughput_mbps']:.1f} Mbit/s")
+    out.print(host)
+    per_model = Table(title=f"training step, batch {batch} (peak memory measured in a child process)")
+    for col in ("model", "params", "step", "train GFLOP/s", "inference / sample", "peak train memory", "note"):
+        per_model.add_column(col, justify="left" if col in ("model", "note") else "right")
+    for m in details["models"]:
+        if "error" in m:
+            per_model.add_row(m.get("label", m["model"]), "", "", "", "", "", f"[red]{m['error']}")
+            continue
+        per_model.add_row(m["label"], f"{m['params']:,}", f"{m['step_s'] * 1000:.1f} ms", f"{m['train_gflops']:.2f}",
+                          f"{m['infer_s_per_sample'] * 1e3:.3f} ms", _bytes(m["train_memory_bytes"]),
+                          f"cuda peak {_bytes(m['cuda_peak_bytes'])}" if "cuda_peak_bytes" in m else "")
+    out.print(per_model)
+    if out_file:
+        doc = profile.to_dict()
+        doc["measurements"] = {"models": [{k: v for k, v in m.items() if k != "step_s_all"} for m in details["models"]],
+                               "matmul": details["matmul"], **({"broker": details["broker"]} if "broker" in details else {})}
+        out_file.write_text(f"# written by edgefl device-profile; schema docs/profile-schema.md\n{tomli_w.dumps(doc)}")
+        out.print(f"wrote {out_file}")
+
+
 @app.command()
 def profiles() -> None:
     """List the shipped device profiles (firmware_profiles/): class, CPU, RAM, training budget, speed."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -114,6 +114,7 @@ class DeviceProfile(_Strict):
     network: Network = Field(default_factory=Network)
     runtimes: Runtimes = Field(default_factory=Runtimes)
     notes: str = ""
+    measurements: dict[str, Any] | None = Field(None, description="raw per-model results of edgefl device-profile")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
