@@ -152,6 +152,47 @@ def device_profile(
 
 
 @app.command()
+def assign(
+    profile_ref: Annotated[str, typer.Option("--profile", help="a catalog id (edgefl profiles) or a profile TOML file")],
+    method: Annotated[str, typer.Option(help="the method the device joins (fedmho allows generator clients)")] = "fedavg",
+    deadline: Annotated[float, typer.Option(help="round deadline, seconds")] = 60.0,
+    headroom: Annotated[float, typer.Option(help="share of the training budget a round may use")] = 0.8,
+    samples: Annotated[int, typer.Option(help="training samples per round")] = 600,
+    epochs: Annotated[int, typer.Option(help="local epochs per round")] = 1,
+    batch: Annotated[int, typer.Option(help="batch size")] = 32,
+    optimizer: Annotated[str, typer.Option(help="adam | momentum | sgd (optimizer state: 8 / 4 / 0 bytes per parameter)")] = "adam",
+    models_: Annotated[str, typer.Option("--models", help="candidates (default: the zoo ladder), e.g. vgg9,cvae-small")] = "",
+) -> None:
+    """Pick the largest zoo model a device can train, and say which bound decided for every candidate."""
+    from edgefl.profile import load_profile
+    from edgefl.profile.assign import Budgets, assign as do_assign, parse_candidates
+
+    if not 0 < headroom <= 1:
+        raise EdgeflError(f"--headroom {headroom}: must be in (0, 1]")
+    profile = load_profile(profile_ref)
+    if optimizer not in ("adam", "momentum", "sgd"):
+        raise EdgeflError(f"--optimizer {optimizer!r}: choose adam, momentum or sgd")
+    budgets = Budgets(headroom=headroom, deadline_s=deadline, samples=samples, epochs=epochs, batch=batch, optimizer=optimizer)
+    result = do_assign(profile, budgets, method, parse_candidates(models_) if models_ else None)
+    table = Table(title=f"{profile.id}: {samples} samples x {epochs} epoch(s), batch {batch}, deadline {deadline:g} s, "
+                        f"{headroom:.0%} of {_qty(profile.memory.training_budget_bytes, _bytes)}")
+    for col in ("candidate", "kind", "params", "FLOPs/sample", "train memory", "round time", "verdict"):
+        table.add_column(col, justify="right" if col in ("params", "FLOPs/sample", "train memory", "round time") else "left")
+    for v in result.verdicts:
+        e = v.estimate
+        mark = "[bold green]chosen" if result.chosen is v else ("fits" if v.fits else f"[red]{v.bound}")
+        if v.unchecked:
+            mark += f" [dim](unchecked: {', '.join(v.unchecked)})"
+        table.add_row(v.label, e.kind, f"{e.params:,}", _si(e.flops_per_sample), _bytes(e.train_memory_bytes),
+                      "?" if e.round_s is None else f"{e.round_s:.1f} s", mark)
+    out.print(table)
+    if result.chosen is None:
+        out.print(f"[bold red]{profile.id} cannot take part:[/] {result.reason}")
+        raise typer.Exit(1)
+    out.print(f"[bold]{profile.id} -> {result.chosen.label}[/]: {result.reason}")
+
+
+@app.command()
 def profiles() -> None:
     """List the shipped device profiles (firmware_profiles/): class, CPU, RAM, training budget, speed."""
     from edgefl.profile import catalog
