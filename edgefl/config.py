@@ -79,10 +79,12 @@ class DataSettings(Strict):
 
 
 class GroupSettings(Strict):
-    """``count`` devices that train the same architecture."""
+    """``count`` devices that train the same architecture (or, with a profile and
+    ``model = "auto"``, devices of one class that get the largest model their budgets allow)."""
 
     model: str
     count: int = Field(1, ge=1)
+    profile: str | None = Field(None, description="device class (catalog id or profile file): virtual clock and assignment")
     options: dict[str, Any] = Field(default_factory=dict, description="builder options, e.g. width")
     train: TrainOverride | None = None
     view: ViewSettings | None = Field(None, description="per-device feature space (CHFL's heterogeneous inputs)")
@@ -93,13 +95,24 @@ class GroupSettings(Strict):
         from edgefl.models import model_names
 
         names = model_names()
-        if v not in names:
+        if v != "auto" and v not in names:
             raise ValueError(f"unknown model {v!r}{_suggest(v, names)}")
         return v
 
     @model_validator(mode="after")
     def _known_options(self) -> GroupSettings:
         from edgefl.models import get_spec
+
+        if self.profile is not None:
+            from edgefl.profile import load_profile
+
+            load_profile(self.profile)  # a ConfigError naming the profile and the nearest id
+        if self.model == "auto":
+            if self.profile is None:
+                raise ValueError('model = "auto" needs a profile to assign from (e.g. profile = "pi4-4gb")')
+            if self.options:
+                raise ValueError('model = "auto" takes no options: the assignment chooses them')
+            return self
 
         params = inspect.signature(get_spec(self.model).builder).parameters
         if any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -112,13 +125,6 @@ class GroupSettings(Strict):
                 raise ValueError(f"model {self.model!r} has no option {key!r}{_suggest(key, allowed)}; options: {', '.join(allowed)}")
         return self
 
-    @property
-    def arch(self) -> str:
-        """A label that identifies the architecture, options included (FedAvg groups by it)."""
-        if not self.options:
-            return self.model
-        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.model}({opts})"
 
 
 def _family_params(model: str) -> dict[str, inspect.Parameter]:
@@ -145,6 +151,14 @@ class EvalSettings(Strict):
     batch_size: int = Field(1000, ge=1)
 
 
+class ClockSettings(Strict):
+    """The virtual clock of fleets whose groups name device profiles."""
+
+    deadline_s: float = Field(60.0, gt=0, description="round deadline: slower devices are dropped as stragglers")
+    headroom: float = Field(0.8, gt=0, le=1, description="share of a device's training budget a round may use")
+    candidates: list[str] | None = Field(None, description='models "auto" groups choose from, e.g. ["vgg9", "cvae-small"]')
+
+
 class MethodSettings(BaseModel):
     """``name`` picks the method; the other keys are that method's options, validated by it."""
 
@@ -165,6 +179,7 @@ class RunConfig(Strict):
     train: TrainSettings = Field(default_factory=TrainSettings)
     fleet: FleetSettings
     eval: EvalSettings = Field(default_factory=EvalSettings)
+    clock: ClockSettings = Field(default_factory=ClockSettings)
 
     def train_for(self, group: GroupSettings) -> TrainSettings:
         if group.train is None:

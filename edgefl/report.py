@@ -58,6 +58,22 @@ def draw_plots(run: RunDir) -> list[Path]:
     ax.legend()
     written.append(_save(fig, out_dir / "communication.png", plt))
 
+    timed = [m for m in metrics if m.get("virtual_time_by_profile")]
+    if timed:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for profile in sorted({p for m in timed for p in m["virtual_time_by_profile"]}):
+            ax.plot([m["round"] for m in timed], [m["virtual_time_by_profile"].get(profile) for m in timed], marker="o", label=profile)
+        deadline = run.read_json("run.json").get("deadline_s") if (run.path / "run.json").is_file() else None
+        if deadline:
+            ax.axhline(deadline, color="red", linestyle="--", label=f"deadline {deadline:g} s")
+        for m in timed:
+            if m.get("stragglers"):
+                ax.annotate(f"{len(m['stragglers'])} dropped", (m["round"], deadline or 0), fontsize=7, color="red")
+        ax.set(xlabel="round", ylabel="virtual seconds (mean per device)", title="Round time by device class (virtual clock)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out_dir / "round_time.png", plt))
+
     part_path = run.path / "partition.json"
     if part_path.is_file():
         part = run.read_json("partition.json")

@@ -51,6 +51,7 @@ class ClientHalf:
         self.options = options
         self.model = setup.model
         self.last_train_loss: float | None = None
+        self.last_train_samples = 0  # samples processed in the last fit (the virtual clock's input)
 
     @property
     def client_id(self) -> str:
@@ -67,6 +68,11 @@ class ClientHalf:
         """Seeds this round's batch order and the global RNG (dropout) from (seed, client, round)."""
         torch.manual_seed(derive_seed(self.setup.seed, "client-rng", self.client_id, round))
         return generator(self.setup.seed, "client-order", self.client_id, round)
+
+    def record(self, stats) -> None:
+        """Keep what the last local training did (loss for the metrics, samples for the clock)."""
+        self.last_train_loss = stats.mean_loss
+        self.last_train_samples = stats.samples
 
     def base_meta(self, round: int) -> dict:
         return {"num_samples": self.num_samples, "arch": self.setup.arch, "train_loss": self.last_train_loss}

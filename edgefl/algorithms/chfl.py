@@ -103,6 +103,6 @@ class CHFLClient(ClientHalf):
         else:
             stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen,
                                 lambda xb, yb: F.cross_entropy(self.model(xb), yb))
-        self.last_train_loss = stats.mean_loss
+        self.record(stats)
         meta = {**self.base_meta(round), "temperature": temperature if distill else None}
         return Message("head", round, self.client_id, self.head_state(), meta)

@@ -42,6 +42,6 @@ class FedAvgClient(ClientHalf):
         self.receive(downlink)
         gen = self.round_generator(round)
         stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
-        self.last_train_loss = stats.mean_loss
+        self.record(stats)
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return Message("weights", round, self.client_id, weights, self.base_meta(round))

@@ -98,7 +98,7 @@ class FedHeClient(ClientHalf):
             return fedhe_loss(logits, yb, teacher, mask, opts)
 
         stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, self.round_generator(round), loss_fn)
-        self.last_train_loss = stats.mean_loss
+        self.record(stats)
         classes, avg, counts = collector.averages()
         tensors = {"logits": avg, "classes": classes, "counts": counts}
         return Message("class_logits", round, self.client_id, tensors, self.base_meta(round))

@@ -17,5 +17,5 @@ class LocalClient(ClientHalf):
     def fit(self, downlink: Message | None, round: int) -> Message | None:
         gen = self.round_generator(round)
         stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
-        self.last_train_loss = stats.mean_loss
+        self.record(stats)
         return None

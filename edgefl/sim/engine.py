@@ -45,6 +45,10 @@ class RoundRecord:
     train_time_s: float = 0.0
     eval_time_s: float = 0.0
     server: dict[str, Any] = field(default_factory=dict)
+    virtual_s: dict[str, float | None] = field(default_factory=dict)
+    virtual_by_profile: dict[str, float] = field(default_factory=dict)
+    stragglers: list[str] = field(default_factory=list)
+    round_virtual_s: float | None = None
 
     def to_json(self, elapsed: float) -> dict[str, Any]:
         return {
@@ -62,6 +66,8 @@ class RoundRecord:
             "train_time_s": round(self.train_time_s, 4),
             "eval_time_s": round(self.eval_time_s, 4),
             "elapsed_s": round(elapsed, 3),
+            **({"virtual_time_s": self.virtual_s, "virtual_time_by_profile": self.virtual_by_profile,
+                "stragglers": self.stragglers, "round_virtual_s": self.round_virtual_s} if self.virtual_s else {}),
         }
 
 
@@ -98,6 +104,7 @@ class Simulation:
         check_models_fit(cfg, self.ds, self.slots)
         self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
         self.server = build_server(cfg, self.ds, self.slots)
+        self.slot_of = {s.client_id: s for s in self.slots}
         self.x_test, self.y_test = test_subset(cfg, self.ds)
         self.history: list[dict[str, Any]] = []
 
@@ -112,6 +119,14 @@ class Simulation:
             up = self.clients[cid].fit(down, r)
             up, n_up = transmit(up)
             rec.bytes_down[cid], rec.bytes_up[cid] = n_down, n_up
+            slot = self.slot_of[cid]
+            if slot.profile is not None:
+                t = self.device_time(slot, self.clients[cid].last_train_samples, n_up + n_down)
+                rec.virtual_s[cid] = None if t is None else round(t, 4)
+                if t is not None and t > self.cfg.clock.deadline_s:
+                    rec.stragglers.append(cid)
+                    rec.receipts[cid] = f"dropped: straggler ({t:.1f} s > {self.cfg.clock.deadline_s:g} s deadline)"
+                    up = None  # it arrives after the round closed: the synchronous round goes on without it
             if up is not None:
                 receipt = self.server.receive(up)
                 rec.receipts[cid] = receipt.status if not receipt.reason else f"{receipt.status}: {receipt.reason}"
@@ -119,6 +134,8 @@ class Simulation:
             if loss is not None:
                 rec.train_loss[cid] = round(loss, 6)
             advance()
+        if rec.virtual_s:
+            self._summarise_clock(rec)
         rec.server = self.server.close_round(r)
         rec.train_time_s = time.perf_counter() - t0
         if r % self.cfg.eval.every == 0 or r == self.cfg.rounds:
@@ -127,6 +144,32 @@ class Simulation:
             rec.eval_time_s = time.perf_counter() - t1
         rec.round_time_s = time.perf_counter() - t0
         return rec
+
+    def device_time(self, slot, samples: int, message_bytes: int) -> float | None:
+        """Virtual seconds a device of this class needs for the round: the cost model's compute
+        time at the profile's effective speed plus the real message bytes at its bandwidth.
+        None when the profile's speed is unknown."""
+        from edgefl.models import model_info
+
+        p = slot.profile
+        speed = p.compute.effective_gflops
+        if not speed.known or not speed.value:
+            return None
+        info = model_info(slot.model, num_classes=self.ds.num_classes, input_shape=slot.input_shape(self.ds), **slot.model_options)
+        t = 3 * info.flops_per_sample * samples / (speed.value * 1e9)
+        up, down = p.network.uplink_mbps, p.network.downlink_mbps
+        if up.known and down.known and up.value and down.value:
+            t += message_bytes * 8 / (min(up.value, down.value) * 1e6)
+        return t
+
+    def _summarise_clock(self, rec: RoundRecord) -> None:
+        by_profile: dict[str, list[float]] = {}
+        for cid, t in rec.virtual_s.items():
+            if t is not None:
+                by_profile.setdefault(self.slot_of[cid].profile.id, []).append(t)
+        rec.virtual_by_profile = {k: round(statistics.fmean(v), 4) for k, v in sorted(by_profile.items())}
+        finished = [t for cid, t in rec.virtual_s.items() if t is not None and cid not in rec.stragglers]
+        rec.round_virtual_s = self.cfg.clock.deadline_s if rec.stragglers else (max(finished) if finished else None)
 
     def evaluate(self, r: int) -> dict[str, Any]:
         """Accuracy of the model each device would use now, on the shared test set.
@@ -171,6 +214,8 @@ class Simulation:
             "versions": package_versions(),
             "machine": machine(),
             "runner": "simulation",
+            "deadline_s": self.cfg.clock.deadline_s,
+            "device_profiles": {s.profile.id: s.profile.to_dict() for s in self.slots if s.profile is not None},
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 
@@ -218,6 +263,9 @@ class Simulation:
             "best_overall_accuracy": max((h["accuracy"]["overall"] for h in evaluated), default=None),
             "bytes_up_total": sum(h["bytes_up"] for h in self.history),
             "bytes_down_total": sum(h["bytes_down"] for h in self.history),
+            "stragglers_total": sum(len(h.get("stragglers", [])) for h in self.history),
+            "virtual_time_total_s": (round(sum(h["round_virtual_s"] or 0 for h in self.history), 3)
+                                     if any(h.get("round_virtual_s") is not None for h in self.history) else None),
             "wall_time_s": round(wall, 3),
             "run_dir": str(self.run_dir.path) if self.run_dir else None,
         }
@@ -235,7 +283,7 @@ class Simulation:
         if not globals_:
             for cid, client in self.clients.items():
                 slot = next(s for s in self.slots if s.client_id == cid)
-                meta = {**base, "arch": slot.arch, "model": slot.group.model, "model_options": slot.model_options,
+                meta = {**base, "arch": slot.arch, "model": slot.model, "model_options": slot.model_options,
                         "scope": "client", "client_id": cid, "input_shape": list(slot.input_shape(self.ds)),
                         "view": slot.group.view.model_dump(exclude_none=True) if slot.group.view else None}
                 self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)

@@ -20,6 +20,7 @@ from edgefl.data import Dataset, class_counts, dirichlet, iid, shards, subsample
 from edgefl.data.views import View, make_view
 from edgefl.errors import ConfigError
 from edgefl.models import build_model, example_inputs
+from edgefl.profile.schema import DeviceProfile
 from edgefl.seeding import derive_seed
 
 #: hidden sizes a ``hidden = "random"`` MLP draws from (CHFL's randomly generated client MLPs)
@@ -38,12 +39,17 @@ class DeviceSlot:
     test_indices: np.ndarray | None = None
     model_options: dict[str, Any] = field(default_factory=dict)
     view: View | None = None
+    model: str = ""  # the zoo model this device trains (resolved when the group says "auto")
+    profile: DeviceProfile | None = None  # its device class, when the fleet is described by profiles
+
+    def __post_init__(self) -> None:
+        self.model = self.model or self.group.model
 
     @property
     def arch(self) -> str:
         if not self.model_options:
-            return self.group.model
-        return f"{self.group.model}({','.join(f'{k}={v}' for k, v in sorted(self.model_options.items()))})"
+            return self.model
+        return f"{self.model}({','.join(f'{k}={v}' for k, v in sorted(self.model_options.items()))})"
 
     def input_shape(self, ds: Dataset) -> tuple[int, ...]:
         return self.view.output_shape if self.view else ds.input_shape
@@ -80,12 +86,36 @@ def _resolve_options(cfg: RunConfig, group: GroupSettings, client_id: str) -> di
     return options
 
 
+def assign_group(cfg: RunConfig, ds: Dataset, group: GroupSettings, group_index: int, profile: DeviceProfile) -> tuple[str, dict]:
+    """The model an ``auto`` group's device class gets for this run's round (budget -> architecture)."""
+    from edgefl.profile.assign import Budgets, assign, parse_candidates
+
+    train = cfg.train_for(group)
+    per_device = math.ceil(len(ds.y_train) / cfg.fleet.num_clients) * train.epochs
+    samples = min(per_device, train.max_steps * train.batch_size) if train.max_steps else per_device
+    optimizer = "adam" if train.optimizer == "adam" else ("momentum" if train.momentum > 0 else "sgd")
+    budgets = Budgets(headroom=cfg.clock.headroom, deadline_s=cfg.clock.deadline_s, samples=samples, epochs=1,
+                      batch=train.batch_size, optimizer=optimizer)
+    shape = group.view and make_view(group.view, ds.input_shape, cfg.seed, "probe").output_shape or ds.input_shape
+    candidates = parse_candidates(",".join(cfg.clock.candidates)) if cfg.clock.candidates else None
+    result = assign(profile, budgets, cfg.method.name, candidates, input_shape=tuple(shape), num_classes=ds.num_classes)
+    if result.chosen is None:
+        raise ConfigError(f"fleet.groups[{group_index}]: {profile.id} cannot take part: {result.reason}",
+                          hint="raise clock.deadline_s or clock.headroom, give fewer samples per round, or list smaller clock.candidates")
+    e = result.chosen.estimate
+    return e.model, dict(e.options)
+
+
 def device_slots(cfg: RunConfig, ds: Dataset) -> list[DeviceSlot]:
+    from edgefl.profile import load_profile
+
     parts = partition(cfg, ds)
     frac = cfg.data.client_test_fraction
     slots, i = [], 0
     width = len(str(cfg.fleet.num_clients - 1))
-    for group in cfg.fleet.groups:
+    for g, group in enumerate(cfg.fleet.groups):
+        profile = load_profile(group.profile) if group.profile else None
+        model, auto_options = (assign_group(cfg, ds, group, g, profile) if group.model == "auto" else (group.model, {}))
         for _ in range(group.count):
             cid = f"client-{i:0{width}d}"
             train_idx, test_idx = parts[i], None
@@ -94,7 +124,8 @@ def device_slots(cfg: RunConfig, ds: Dataset) -> list[DeviceSlot]:
                 n_test = max(1, int(round(frac * len(order))))
                 test_idx, train_idx = np.sort(order[:n_test]), np.sort(order[n_test:])
             view = make_view(group.view, ds.input_shape, cfg.seed, cid) if group.view else None
-            slots.append(DeviceSlot(cid, i, group, train_idx, test_idx, _resolve_options(cfg, group, cid), view))
+            options = {**auto_options, **_resolve_options(cfg, group, cid)}
+            slots.append(DeviceSlot(cid, i, group, train_idx, test_idx, options, view, model, profile))
             i += 1
     return slots
 
@@ -111,7 +142,7 @@ def check_models_fit(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]) -> No
         seen.add((slot.arch, shape))
         group_index = cfg.fleet.groups.index(slot.group)
         try:
-            model = build_model(slot.group.model, num_classes=ds.num_classes, input_shape=shape, **slot.model_options)
+            model = build_model(slot.model, num_classes=ds.num_classes, input_shape=shape, **slot.model_options)
             model.eval()
             with torch.no_grad():
                 model(*example_inputs(model, 2, shape, ds.num_classes))
@@ -130,6 +161,7 @@ def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:
         "clients": [
             {
                 "client_id": s.client_id, "arch": s.arch, "num_samples": int(len(s.sample_indices)),
+                "profile": s.profile.id if s.profile else None,
                 "num_test": None if s.test_indices is None else int(len(s.test_indices)),
                 "input_shape": list(s.input_shape(ds)), "view": s.group.view.model_dump(exclude_none=True) if s.group.view else None,
                 "class_counts": counts[k].tolist(),
@@ -142,7 +174,7 @@ def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:
 def build_client(cfg: RunConfig, ds: Dataset, slot: DeviceSlot) -> ClientHalf:
     method = get_method(cfg.method.name)
     torch.manual_seed(derive_seed(cfg.seed, "client-init", slot.client_id))
-    model = build_model(slot.group.model, num_classes=ds.num_classes, input_shape=slot.input_shape(ds), **slot.model_options)
+    model = build_model(slot.model, num_classes=ds.num_classes, input_shape=slot.input_shape(ds), **slot.model_options)
 
     def take(indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.from_numpy(indices)
@@ -164,7 +196,7 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
     method = get_method(cfg.method.name)
     counts = class_counts(ds.y_train.numpy(), [s.sample_indices for s in slots], ds.num_classes)
     infos = [
-        ClientInfo(s.client_id, s.arch, s.group.model, dict(s.model_options), int(len(s.sample_indices)),
+        ClientInfo(s.client_id, s.arch, s.model, dict(s.model_options), int(len(s.sample_indices)),
                    tuple(counts[k].tolist()), tuple(s.input_shape(ds)))
         for k, s in enumerate(slots)
     ]
