@@ -100,8 +100,10 @@ def measure_model(candidate: ModelCandidate, input_shape: tuple[int, ...], batch
                   timeout: float = 300) -> dict[str, Any]:
     spec = {"model": candidate.name, "options": candidate.options, "input_shape": list(input_shape), "batch": batch,
             "steps": steps, "device": device}
-    if candidate.name.startswith("mlp"):
-        spec["input_shape"] = [30]
+    from edgefl.models import get_spec
+
+    if get_spec(candidate.name).family == "mlp":  # tabular: its own default width, not an image
+        spec["input_shape"] = list(get_spec(candidate.name).default_input_shape)
     try:
         res = subprocess.run([sys.executable, "-m", "edgefl.profile.child", json.dumps(spec)],
                              capture_output=True, text=True, timeout=timeout)

@@ -96,7 +96,8 @@ def assign_group(cfg: RunConfig, ds: Dataset, group: GroupSettings, group_index:
     optimizer = "adam" if train.optimizer == "adam" else ("momentum" if train.momentum > 0 else "sgd")
     budgets = Budgets(headroom=cfg.clock.headroom, deadline_s=cfg.clock.deadline_s, samples=samples, epochs=1,
                       batch=train.batch_size, optimizer=optimizer)
-    shape = group.view and make_view(group.view, ds.input_shape, cfg.seed, "probe").output_shape or ds.input_shape
+    # the view's output shape is the same for every device of the group (only its content differs)
+    shape = make_view(group.view, ds.input_shape, cfg.seed, "probe").output_shape if group.view else ds.input_shape
     candidates = parse_candidates(",".join(cfg.clock.candidates)) if cfg.clock.candidates else None
     result = assign(profile, budgets, cfg.method.name, candidates, input_shape=tuple(shape), num_classes=ds.num_classes)
     if result.chosen is None:
