@@ -78,6 +78,21 @@ def test_server_averages_per_class_over_reporting_clients():
     assert down.tensors["mask"].tolist() == [True, True, False]
 
 
+def test_count_weighted_server_mean():
+    s = server(server_weighting="count")
+    s.begin_round(1)
+    a = report("c0", 1, [0], [[1, 1, 1]])
+    a.tensors["counts"] = torch.tensor([3])
+    b = report("c1", 1, [0], [[5, 5, 5]])
+    b.tensors["counts"] = torch.tensor([1])
+    s.receive(a), s.receive(b)
+    torch.testing.assert_close(s.global_logits()[0][0], torch.tensor([2.0, 2.0, 2.0]))  # (3*1 + 1*5) / 4
+    uniform = server()
+    uniform.begin_round(1)
+    uniform.receive(decode(encode(a))), uniform.receive(decode(encode(b)))
+    torch.testing.assert_close(uniform.global_logits()[0][0], torch.tensor([3.0, 3.0, 3.0]))  # paper: (1 + 5) / 2
+
+
 def test_empty_store_sends_no_logits():
     down = server().downlink(1, "c0")
     assert down.tensors == {} and down.meta == {"empty": True}

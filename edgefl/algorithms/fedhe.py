@@ -27,6 +27,9 @@ class FedHeOptions(MethodOptions):
     logit_loss: Literal["mse", "kl"] = Field("mse", description="mse on raw logits (authors' code) or KL")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of the KL variant")
     warmup_rounds: int = Field(1, ge=0, description="rounds of CE only before the logit loss starts")
+    server_weighting: Literal["uniform", "count"] = Field(
+        "uniform", description="server: per-class mean over clients unweighted (paper Eq. 10) or weighted by sample counts"
+    )
     max_age_rounds: int | None = Field(
         None, ge=1, description="server: ignore a client's logits older than this many rounds (None: keep each client's latest)"
     )

@@ -26,6 +26,7 @@ class _Report:
     round: int
     classes: torch.Tensor
     logits: torch.Tensor
+    counts: torch.Tensor
 
 
 class FedHeServer(ServerHalf):
@@ -54,7 +55,9 @@ class FedHeServer(ServerHalf):
         previous = self.store.get(message.sender)
         if previous is not None and previous.round > message.round:
             return Receipt("late", f"older than the round-{previous.round} report already held; not used")
-        self.store[message.sender] = _Report(message.round, classes.clone(), logits.float().clone())
+        if bool((counts < 0).any()):
+            return Receipt("rejected", "counts must not be negative")
+        self.store[message.sender] = _Report(message.round, classes.clone(), logits.float().clone(), counts.clone())
         status = "late" if message.round < self.round else "accepted"
         return Receipt(status, "used: FedHe accepts knowledge at any time" if status == "late" else "")
 
@@ -70,9 +73,11 @@ class FedHeServer(ServerHalf):
         c = self.num_classes
         sums = torch.zeros(c, c, dtype=torch.float64)
         n = torch.zeros(c, dtype=torch.int64)
+        by_count = getattr(self.options, "server_weighting", "uniform") == "count"
         for report in self._fresh_reports():
-            sums.index_add_(0, report.classes, report.logits.to(torch.float64))
-            n.index_add_(0, report.classes, torch.ones_like(report.classes))
+            w = report.counts.to(torch.float64) if by_count else torch.ones(len(report.classes), dtype=torch.float64)
+            sums.index_add_(0, report.classes, report.logits.to(torch.float64) * w.unsqueeze(1))
+            n.index_add_(0, report.classes, w.to(torch.int64) if by_count else torch.ones_like(report.classes))
         mask = n > 0
         sums[mask] /= n[mask].unsqueeze(1).to(torch.float64)
         return sums.float(), mask
