@@ -43,6 +43,22 @@ def activation_bytes_per_sample(name: str, frozen_options: tuple, input_shape: t
     return total // 2
 
 
+def compute_seconds(profile: DeviceProfile, flops_per_sample: int, samples: int) -> float | None:
+    """Training time for ``samples`` at the profile's effective speed (None when unknown)."""
+    speed = profile.compute.effective_gflops
+    if not speed.known or not speed.value:
+        return None
+    return 3 * flops_per_sample * samples / (speed.value * 1e9)
+
+
+def transfer_seconds(profile: DeviceProfile, up_bytes: int, down_bytes: int) -> float | None:
+    """Upload and download time at the profile's bandwidth (None when unknown)."""
+    up, down = profile.network.uplink_mbps, profile.network.downlink_mbps
+    if not (up.known and down.known and up.value and down.value):
+        return None
+    return up_bytes * 8 / (up.value * 1e6) + down_bytes * 8 / (down.value * 1e6)
+
+
 @dataclass(frozen=True)
 class CostEstimate:
     model: str
@@ -82,12 +98,8 @@ def estimate(
     act = activation_bytes_per_sample(name, frozen, tuple(input_shape), num_classes)
     memory = info.params * (8 + OPTIMIZER_STATE_BYTES[optimizer]) + act * batch
     compute_s = transfer_s = None
-    if profile is not None and profile.compute.effective_gflops.known and profile.compute.effective_gflops.value > 0:
-        compute_s = 3 * info.flops_per_sample * samples * epochs / (profile.compute.effective_gflops.value * 1e9)
     if profile is not None:
-        up = profile.network.uplink_mbps
-        down = profile.network.downlink_mbps
+        compute_s = compute_seconds(profile, info.flops_per_sample, samples * epochs)
         payload = info.params * 4 if upload_bytes is None else upload_bytes
-        if up.known and down.known and up.value > 0 and down.value > 0:
-            transfer_s = payload * 8 / (up.value * 1e6) + info.params * 4 * 8 / (down.value * 1e6)
+        transfer_s = transfer_seconds(profile, payload, info.params * 4)
     return CostEstimate(name, frozen, info.kind, info.params, info.flops_per_sample, int(memory), info.params * 4, compute_s, transfer_s)

@@ -121,7 +121,7 @@ class Simulation:
             rec.bytes_down[cid], rec.bytes_up[cid] = n_down, n_up
             slot = self.slot_of[cid]
             if slot.profile is not None:
-                t = self.device_time(slot, self.clients[cid].last_train_samples, n_up + n_down)
+                t = self.device_time(slot, self.clients[cid].last_train_samples, n_up, n_down)
                 rec.virtual_s[cid] = None if t is None else round(t, 4)
                 if t is not None and t > self.cfg.clock.deadline_s:
                     rec.stragglers.append(cid)
@@ -145,22 +145,18 @@ class Simulation:
         rec.round_time_s = time.perf_counter() - t0
         return rec
 
-    def device_time(self, slot, samples: int, message_bytes: int) -> float | None:
+    def device_time(self, slot, samples: int, up_bytes: int, down_bytes: int) -> float | None:
         """Virtual seconds a device of this class needs for the round: the cost model's compute
         time at the profile's effective speed plus the real message bytes at its bandwidth.
         None when the profile's speed is unknown."""
         from edgefl.models import model_info
+        from edgefl.profile.cost import compute_seconds, transfer_seconds
 
-        p = slot.profile
-        speed = p.compute.effective_gflops
-        if not speed.known or not speed.value:
-            return None
         info = model_info(slot.model, num_classes=self.ds.num_classes, input_shape=slot.input_shape(self.ds), **slot.model_options)
-        t = 3 * info.flops_per_sample * samples / (speed.value * 1e9)
-        up, down = p.network.uplink_mbps, p.network.downlink_mbps
-        if up.known and down.known and up.value and down.value:
-            t += message_bytes * 8 / (min(up.value, down.value) * 1e6)
-        return t
+        compute = compute_seconds(slot.profile, info.flops_per_sample, samples)
+        if compute is None:
+            return None
+        return compute + (transfer_seconds(slot.profile, up_bytes, down_bytes) or 0.0)
 
     def _summarise_clock(self, rec: RoundRecord) -> None:
         by_profile: dict[str, list[float]] = {}
