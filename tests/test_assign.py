@@ -89,3 +89,27 @@ def test_cli_assign_prints_every_candidate_and_refuses_with_exit_1():
     assert res.returncode == 1 and "cannot take part" in res.stdout
     res = edgefl("assign", "--profile", "pi4-4g", "--models", "lenet5")
     assert res.returncode == 2 and "did you mean 'pi4-4gb'" in res.stderr
+
+
+def test_step_model_fit_recovers_known_host_terms():
+    from edgefl.profile.cost import fit_step_model
+
+    def row(layers, flops, mem_naive):
+        return {"layers": layers, "flops": flops, "batch": 32, "step_s": layers * 40e-6 + 3 * flops * 32 / 25e9,
+                "memory_measured": mem_naive + 8e6, "memory_naive": mem_naive}
+
+    fit = fit_step_model([row(10, 1e6, 1e6), row(60, 5e7, 4e7), row(30, 2e8, 2e7)])
+    assert fit.effective_gflops == pytest.approx(25, rel=1e-6)
+    assert fit.layer_overhead_us == pytest.approx(40, rel=1e-6)
+    assert fit.memory_overhead_bytes == pytest.approx(8e6)
+
+
+def test_profile_overheads_enter_the_estimate():
+    base = board(1e9, gflops=10.0)
+    tuned = board(1e9, gflops=10.0)
+    tuned.compute.layer_overhead_us = tuned.compute.layer_overhead_us.model_validate({"value": 100, "kind": "measured", "source": "t"})
+    tuned.memory.step_overhead_bytes = tuned.memory.step_overhead_bytes.model_validate({"value": 5e6, "kind": "measured", "source": "t"})
+    a = estimate("lenet5", profile=base, batch=32, samples=64)
+    b = estimate("lenet5", profile=tuned, batch=32, samples=64)
+    assert b.train_memory_bytes - a.train_memory_bytes == 5_000_000
+    assert b.compute_s - a.compute_s == pytest.approx(2 * 12 * 100e-6)  # 2 steps x 12 layers x 100 us

@@ -1,10 +1,13 @@
 """A cost model for training a zoo model on a device, and the budget -> architecture rule.
 
 Time per round: ``3 x forward FLOPs x samples x epochs / effective FLOP/s`` (backward costs about
-twice the forward pass, as FedScale assumes; torch's counter measured 2.96x) plus the model's
-upload and download at the profile's bandwidth. Memory: ``params x (4 weights + 4 gradients +
-optimizer state)`` plus the activations autograd keeps for a batch (measured once per model by
-forward hooks: the bytes every leaf module outputs per sample). Storage: the parameter bytes.
+twice the forward pass, as FedScale assumes; torch's counter measured 2.96x), plus, when the
+profile has measured it, ``steps x layers x per-layer overhead`` (the dispatch cost that
+dominates small models), plus the model's upload and download at the profile's bandwidth.
+Memory: ``params x (4 weights + 4 gradients + optimizer state)`` plus the activations autograd
+keeps for a batch (measured once per model by forward hooks: the bytes every leaf module outputs
+per sample), plus the profile's measured per-step overhead when known. Storage: the parameter
+bytes. ``edgefl device-profile`` fits the two overhead terms from the models it measures.
 """
 
 from __future__ import annotations
@@ -25,11 +28,24 @@ OPTIMIZER_STATE_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}
 @lru_cache(maxsize=128)
 def activation_bytes_per_sample(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> int:
     """Bytes of every leaf module's output for one sample: what autograd keeps for backward."""
+    return _forward_stats(name, frozen_options, input_shape, num_classes)[0]
+
+
+@lru_cache(maxsize=128)
+def layer_count(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> int:
+    """Leaf modules run in a forward pass: each costs dispatch time forward and backward."""
+    return _forward_stats(name, frozen_options, input_shape, num_classes)[1]
+
+
+@lru_cache(maxsize=128)
+def _forward_stats(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> tuple[int, int]:
     model = build_model(name, num_classes=num_classes, input_shape=input_shape, **dict(frozen_options))
     total = 0
+    calls = 0
 
     def hook(_m: nn.Module, _i, out) -> None:
-        nonlocal total
+        nonlocal total, calls
+        calls += 1
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
@@ -40,15 +56,51 @@ def activation_bytes_per_sample(name: str, frozen_options: tuple, input_shape: t
         model(*example_inputs(model, 2, input_shape, num_classes))
     for h in handles:
         h.remove()
-    return total // 2
+    return total // 2, calls
 
 
-def compute_seconds(profile: DeviceProfile, flops_per_sample: int, samples: int) -> float | None:
-    """Training time for ``samples`` at the profile's effective speed (None when unknown)."""
+def freeze(options: dict) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+
+
+def compute_seconds(
+    profile: DeviceProfile, flops_per_sample: int, samples: int, layers: int | None = None, batch: int | None = None
+) -> float | None:
+    """Training time for ``samples`` at the profile's effective speed (None when unknown), plus,
+    when the profile knows it, the per-layer dispatch cost of every step."""
     speed = profile.compute.effective_gflops
     if not speed.known or not speed.value:
         return None
-    return 3 * flops_per_sample * samples / (speed.value * 1e9)
+    t = 3 * flops_per_sample * samples / (speed.value * 1e9)
+    overhead = profile.compute.layer_overhead_us
+    if overhead.known and layers and batch:
+        t += -(-samples // batch) * layers * overhead.value * 1e-6
+    return t
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """A host's training speed as two numbers: arithmetic throughput and per-layer overhead."""
+
+    effective_gflops: float
+    layer_overhead_us: float
+    memory_overhead_bytes: float
+
+
+def fit_step_model(rows: list[dict]) -> StepFit:
+    """Least-squares fit of ``step = layers x overhead + 3 x FLOPs x batch / speed`` and the median
+    memory the naive model misses, from measured rows (keys: flops, batch, layers, step_s,
+    memory_measured, memory_naive)."""
+    import numpy as np
+
+    a = np.array([[r["layers"], 3 * r["flops"] * r["batch"]] for r in rows], dtype=float)
+    t = np.array([r["step_s"] for r in rows], dtype=float)
+    # relative errors matter: weight each row by 1 / its time so small models count as much as big
+    w = 1 / t
+    coef, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+    overhead_s, inv_speed = max(coef[0], 0.0), max(coef[1], 1e-15)
+    mem = float(np.median([r["memory_measured"] - r["memory_naive"] for r in rows]))
+    return StepFit(1 / inv_speed / 1e9, overhead_s * 1e6, max(mem, 0.0))
 
 
 def transfer_seconds(profile: DeviceProfile, up_bytes: int, down_bytes: int) -> float | None:
@@ -93,13 +145,16 @@ def estimate(
 ) -> CostEstimate:
     """Predicted training cost of one round of ``name`` on ``profile`` (time needs a known speed)."""
     options = options or {}
-    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+    frozen = freeze(options)
     info = model_info(name, num_classes=num_classes, input_shape=input_shape, **options)
     act = activation_bytes_per_sample(name, frozen, tuple(input_shape), num_classes)
     memory = info.params * (8 + OPTIMIZER_STATE_BYTES[optimizer]) + act * batch
+    if profile is not None and profile.memory.step_overhead_bytes.known:
+        memory += profile.memory.step_overhead_bytes.value
     compute_s = transfer_s = None
     if profile is not None:
-        compute_s = compute_seconds(profile, info.flops_per_sample, samples * epochs)
+        layers = layer_count(name, frozen, tuple(input_shape), num_classes)
+        compute_s = compute_seconds(profile, info.flops_per_sample, samples * epochs, layers, batch)
         payload = info.params * 4 if upload_bytes is None else upload_bytes
         transfer_s = transfer_seconds(profile, payload, info.params * 4)
     return CostEstimate(name, frozen, info.kind, info.params, info.flops_per_sample, int(memory), info.params * 4, compute_s, transfer_s)

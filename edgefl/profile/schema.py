@@ -73,6 +73,7 @@ class CPU(_Strict):
 class Memory(_Strict):
     ram_bytes: Quantity = Field(default_factory=_unknown)
     training_budget_bytes: Quantity = Field(default_factory=_unknown, description="RAM left for training after OS and runtime")
+    step_overhead_bytes: Quantity = Field(default_factory=_unknown, description="training memory beyond weights, optimizer and activations")
     storage_bytes: Quantity = Field(default_factory=_unknown, description="free storage where runs are kept")
 
 
@@ -80,6 +81,7 @@ class Compute(_Strict):
     matmul_gflops: Quantity = Field(default_factory=_unknown, description="dense fp32 matrix multiply")
     effective_gflops: Quantity = Field(default_factory=_unknown, description="fp32 training throughput on a real network")
     int8_gops: Quantity = Field(default_factory=_unknown)
+    layer_overhead_us: Quantity = Field(default_factory=_unknown, description="per-layer, per-step dispatch cost of a training step")
 
 
 class Accelerator(_Strict):
