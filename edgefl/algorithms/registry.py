@@ -65,6 +65,13 @@ METHODS: dict[str, MethodSpec] = {
             "edgefl.algorithms.fedhe:FedHeOptions",
         ),
         MethodSpec(
+            "fedin",
+            "FedIN (Wang et al.): feature-pair IN training, gradient alleviation, proximal term, layer-wise aggregation",
+            "edgefl.algorithms.fedin:FedINClient",
+            "edgefl.server.methods.fedin:FedINServer",
+            "edgefl.algorithms.fedin:FedINOptions",
+        ),
+        MethodSpec(
             "chfl",
             "CHFL (Liu et al.): private backbones, shared E x C head, decoupled KD at a decaying temperature",
             "edgefl.algorithms.chfl:CHFLClient",

@@ -38,10 +38,14 @@ def train_local(
     loss_fn: Callable[..., torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
     extras: tuple[torch.Tensor, ...] = (),
+    after_backward: Callable[[], None] | None = None,
+    after_step: Callable[[], None] | None = None,
 ) -> TrainStats:
     """Run ``cfg.epochs`` epochs (capped at ``cfg.max_steps`` batches) of ``loss_fn(xb, yb, *extras_b)``.
 
     ``extras`` are per-sample tensors (e.g. fixed teacher logits) batched alongside the data.
+    ``after_backward`` may rewrite the gradients before the optimizer step (FedIN's gradient
+    alleviation); ``after_step`` runs after it (FedIN's sequential ablation).
     """
     model.train()
     opt = optimizer or make_optimizer(model.parameters(), cfg)
@@ -57,7 +61,11 @@ def train_local(
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(xb, yb, *(e[idx] for e in extras))
             loss.backward()
+            if after_backward is not None:
+                after_backward()
             opt.step()
+            if after_step is not None:
+                after_step()
             steps += 1
             samples += len(idx)
             loss_sum += float(loss.detach()) * len(idx)

@@ -1,0 +1,184 @@
+"""FedIN (Wang et al., "Federated Intermediate Layers Learning"), client half.
+
+Every zoo classifier is ``extractor -> intermediate -> head``. A FedIN client
+
+1. loads the weights the server sent (layer-wise averages for its own architecture) and keeps
+   them as the proximal anchor ``w_received``;
+2. trains on its data with the local loss (paper Eq. 4)
+   ``CE + (mu/2) * ||w - w_received||^2`` (``mu_half`` = mu/2 = 0.05);
+3. when the server also sent one batch ``S`` of feature pairs, computes at every step the IN loss
+   (Eq. 8) ``MSE(intermediate(s_in), s_out)`` on ``S`` and replaces the intermediate layers'
+   gradient by the alleviated update ``Z`` (Eq. 13 exactly, or Eq. 14 as the paper trains);
+4. uploads its weights and one batch of its own pairs ``(s_in, s_out)``: the extractor's output
+   and the head's input for ``pair_batch`` of its training samples, computed with the weights it
+   uploads (in eval mode, so the pairs and the weights describe the same model).
+
+``Z`` is the intermediate layers' whole update, as in the paper: Eq. 14 is
+``Z = G_IN + (lambda/2) G_local`` with lambda fixed at 1, Eq. 13 is the same form with the
+optimal multiplier (0 when the gradients agree, ``-2b/a`` when they conflict), which removes
+from ``G_IN`` only its component against ``G_local``. The inner products run over all
+intermediate parameters as one vector (one constraint, as the trace form of Eq. 10 reads).
+``alleviation = "none"`` is the paper's "w/o Opt" ablation: a normal local step on the whole
+model, then a separate IN step on the intermediate layers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+from torch.nn import functional as F
+
+from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.fedavg import load_weights
+from edgefl.algorithms.training import make_optimizer, train_local
+from edgefl.errors import PayloadError
+from edgefl.messages import Message
+
+#: tensor-name prefix of the feature pairs inside a ``weights`` message
+PAIRS_PREFIX = "pairs."
+
+
+class FedINOptions(MethodOptions):
+    in_training: bool = Field(True, description="train the intermediate layers on the server's feature pairs (Eq. 8); false = 'w/o IN'")
+    mu_half: float = Field(0.05, ge=0, description="mu/2 of the proximal term (Eq. 4); 0 = 'w/o Prox' (and FedAvg when in_training is off)")
+    alleviation: Literal["simplified", "projection", "none"] = Field(
+        "simplified", description="Eq. 14 (the paper's training choice), Eq. 13 exactly, or none ('w/o Opt': sequential steps)"
+    )
+    lam: float = Field(1.0, ge=0, description="lambda of Eq. 14")
+    pair_batch: int = Field(16, ge=1, le=1024, description="feature pairs a client uploads and the server sends back (|S|)")
+    aggregation: Literal["layerwise", "strict"] = Field(
+        "layerwise", description="average each layer over every client that has it, or only within one architecture"
+    )
+    store_rounds: int = Field(1, ge=1, description="the server samples S from pairs at most this many rounds old")
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def alleviate(g_local: torch.Tensor, g_in: torch.Tensor, mode: str, lam: float = 1.0) -> torch.Tensor:
+    """The intermediate layers' update from the local and IN gradients (flattened vectors).
+
+    * ``"projection"`` (Eq. 13): ``G_IN`` if ``b = <G_local, G_IN> >= 0``, else
+      ``G_IN - (b / a) G_local`` with ``a = <G_local, G_local>``;
+    * ``"simplified"`` (Eq. 14): ``G_IN + (lam / 2) G_local``.
+    """
+    if mode == "simplified":
+        return g_in + (lam / 2.0) * g_local
+    if mode == "projection":
+        b = torch.dot(g_local, g_in)
+        a = torch.dot(g_local, g_local)
+        if b >= 0 or a == 0:
+            return g_in.clone()
+        return g_in - (b / a) * g_local
+    raise ValueError(f"alleviation {mode!r} has no single update; 'none' takes two sequential steps")
+
+
+def proximal_term(model: nn.Module, anchor: dict[str, torch.Tensor], mu_half: float) -> torch.Tensor:
+    """``(mu/2) * ||w - w_anchor||^2`` over the trainable parameters; its gradient is ``mu (w - w_anchor)``."""
+    total = torch.zeros(())
+    for name, p in model.named_parameters():
+        total = total + (p - anchor[name]).pow(2).sum()
+    return mu_half * total
+
+
+class _KeepBatchNormStats:
+    """The IN forward runs in train mode (batch statistics, like the local step) but must not move
+    the running statistics: they describe this device's data, not the pairs from elsewhere."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.saved = {k: v.clone() for k, v in self.module.state_dict().items() if "running_" in k or "num_batches" in k}
+
+    def __exit__(self, *exc) -> None:
+        if self.saved:
+            self.module.load_state_dict(self.saved, strict=False)
+
+
+def split_pairs(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    """Weights and the (s_in, s_out) batch of a FedIN message."""
+    weights = {k: v for k, v in tensors.items() if not k.startswith(PAIRS_PREFIX)}
+    return weights, tensors.get(PAIRS_PREFIX + "s_in"), tensors.get(PAIRS_PREFIX + "s_out")
+
+
+class FedINClient(ClientHalf):
+    uploads_kind = "weights"
+    options: FedINOptions
+
+    def __init__(self, setup, options) -> None:
+        super().__init__(setup, options)
+        for part in ("extractor", "intermediate", "head"):
+            if not hasattr(self.model, part):
+                raise PayloadError(f"FedIN needs a split classifier (extractor -> intermediate -> head); {setup.arch} is not one")
+
+    def receive(self, downlink: Message | None) -> None:
+        if downlink is not None and downlink.kind == "weights":
+            weights, _, _ = split_pairs(downlink.tensors)
+            load_weights(self.model, weights)
+
+    def fit(self, downlink: Message | None, round: int) -> Message | None:
+        opts = self.options
+        self.receive(downlink)
+        s_in = s_out = None
+        if downlink is not None and opts.in_training:
+            _, s_in, s_out = split_pairs(downlink.tensors)
+        model = self.model
+        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
+        inter = [p for p in model.intermediate.parameters() if p.requires_grad]
+        gen = self.round_generator(round)
+
+        def local_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(model(xb), yb)
+            if opts.mu_half > 0:
+                loss = loss + proximal_term(model, anchor, opts.mu_half)
+            return loss
+
+        def in_gradients() -> list[torch.Tensor]:
+            # restore the statistics only after backward: batch norm's backward checks them
+            with _KeepBatchNormStats(model.intermediate):
+                loss_in = F.mse_loss(model.intermediate(s_in), s_out)
+                return list(torch.autograd.grad(loss_in, inter))
+
+        after_backward = after_step = None
+        if s_in is not None and opts.alleviation != "none":
+            def after_backward() -> None:  # Eq. 13 / 14: the intermediate layers step along Z
+                g_local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in inter]
+                z = alleviate(flat(g_local), flat(in_gradients()), opts.alleviation, opts.lam)
+                offset = 0
+                for p in inter:
+                    n = p.numel()
+                    p.grad = z[offset : offset + n].view_as(p).clone()
+                    offset += n
+        elif s_in is not None:
+            in_opt = make_optimizer(inter, self.setup.train)
+
+            def after_step() -> None:  # "w/o Opt": a separate IN step after the local one
+                in_opt.zero_grad(set_to_none=True)
+                for p, g in zip(inter, in_gradients()):
+                    p.grad = g
+                in_opt.step()
+
+        stats = train_local(model, self.setup.x, self.setup.y, self.setup.train, gen, local_loss,
+                            after_backward=after_backward, after_step=after_step)
+        self.record(stats)
+        tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        pair_in, pair_out = self.feature_pairs(gen)
+        tensors[PAIRS_PREFIX + "s_in"], tensors[PAIRS_PREFIX + "s_out"] = pair_in, pair_out
+        return Message("weights", round, self.client_id, tensors, self.base_meta(round))
+
+    @torch.no_grad()
+    def feature_pairs(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch of (extractor output, head input) for random training samples."""
+        n = len(self.setup.y)
+        idx = torch.randperm(n, generator=gen)[: self.options.pair_batch]
+        was_training = self.model.training
+        self.model.eval()
+        s_in = self.model.extractor(self.setup.x[idx])
+        s_out = self.model.intermediate(s_in)
+        self.model.train(was_training)
+        return s_in.contiguous(), s_out.contiguous()
