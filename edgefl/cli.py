@@ -53,6 +53,64 @@ def simulate(
     out.print(accuracy_table(run))
     out.print(communication_table(run))
     out.print(f"run directory: {run.path}  (plots in {run.path / 'plots'})")
+    if cfg.export:
+        formats = tuple(f for f in cfg.export if f != "int8")
+        err.print(f"exporting the final models: {', '.join(formats)}{' + int8' if 'int8' in cfg.export else ''}")
+        try:
+            _export_and_print(run.path, run.path / "export", formats, "int8" in cfg.export, 1, True, False, None, None, None)
+        except EdgeflError as exc:  # the run itself is saved: say so, then fail
+            err.print(f"[red]export failed[/]: {exc}\nthe run is complete in {run.path}; retry with `edgefl export {run.path}`")
+            raise typer.Exit(1) from None
+
+
+@app.command()
+def export(
+    source: Annotated[Path, typer.Argument(help="a run directory, or a .safetensors weights file")],
+    format_: Annotated[str, typer.Option("--format", help="comma-separated: onnx, tflite")] = "onnx,tflite",
+    int8: Annotated[bool, typer.Option("--int8", help="also write int8 files, calibrated on real training samples")] = False,
+    batch: Annotated[int, typer.Option(help="the fixed batch of the phone files (TFLite can be resized at run time)")] = 1,
+    dynamic_batch: Annotated[bool, typer.Option("--dynamic-batch/--no-dynamic-batch", help="also write a dynamic-batch ONNX file")] = True,
+    channels_last: Annotated[bool, typer.Option("--channels-last", help="TFLite image inputs/outputs in NHWC")] = False,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="output folder (default RUN_DIR/export)")] = None,
+    model: Annotated[Optional[str], typer.Option(help="architecture of a weights file without metadata")] = None,
+    select: Annotated[Optional[str], typer.Option(help="only the run's models whose file name contains this")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="dataset for parity and calibration (default: the one trained on)")] = None,
+) -> None:
+    """Export a run's global model (or any zoo model's weights) to ONNX and TFLite, checked against PyTorch."""
+    formats = tuple(f.strip() for f in format_.split(",") if f.strip())
+    _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset)
+
+
+def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset) -> None:
+    from rich.table import Table
+
+    from edgefl.exporters import export_model, sources_from_path
+
+    sources = sources_from_path(source, model=model, select=select)
+    if out_dir is None:
+        out_dir = source / "export" if source.is_dir() else source.parent / "export"
+    ds = None
+    if dataset:
+        from edgefl.data import load_dataset
+
+        ds = load_dataset(dataset)
+    table = Table(title=f"exports in {out_dir}")
+    for col in ("file", "size", "precision", "batch", "max |diff|", "test acc", "agree", "mobile EPs"):
+        table.add_column(col, justify="left" if col == "file" else "right")
+    with err.status("exporting") as status:
+        for src in sources:
+            files = export_model(src, out_dir, formats=formats, int8=int8, batch=batch, dynamic_batch=dynamic_batch,
+                                 channels_last=channels_last, dataset=ds, log=lambda m, s=src: status.update(f"{s.name}: {m}"))
+            for f in files:
+                mob = f.extra.get("mobile_usability")
+                table.add_row(
+                    f.path.name, _bytes(f.path.stat().st_size), f.precision, "dynamic" if f.batch is None else str(f.batch),
+                    f"{f.parity.max_abs_diff:.1e}" if f.parity else (f"rel {f.extra['relative_error']:.1e}" if "relative_error" in f.extra else "-"),
+                    "-" if f.accuracy is None else f"{f.accuracy:.4f}", "-" if f.agreement is None else f"{f.agreement:.3f}",
+                    "-" if not mob else f"NNAPI {mob['nnapi']['supported_nodes']}/{mob['nnapi']['nodes']}",
+                )
+    out.print(table)
+    out.print(f"float files match PyTorch within rtol 1e-4 / atol 1e-5; each file has a .json sidecar (shapes, normalisation, labels, SHA-256)")
 
 
 @app.command()

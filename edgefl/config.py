@@ -180,6 +180,9 @@ class RunConfig(Strict):
     fleet: FleetSettings
     eval: EvalSettings = Field(default_factory=EvalSettings)
     clock: ClockSettings = Field(default_factory=ClockSettings)
+    export: list[Literal["onnx", "tflite", "int8"]] = Field(
+        default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
+    )
 
     def train_for(self, group: GroupSettings) -> TrainSettings:
         if group.train is None:

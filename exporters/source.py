@@ -1,0 +1,145 @@
+"""What gets exported: a zoo model rebuilt from a run's weights file, with what it was trained on.
+
+A weights file written by a run (``models/*.safetensors``) carries its architecture, options,
+class names, input shape and dataset in the safetensors metadata, so a file alone is enough.
+A bare state dict needs ``model=`` (and options) from the caller. Loading checks names and shapes
+against the rebuilt model and says which architecture the weights seem to belong to when they
+do not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from edgefl.errors import EdgeflError
+from edgefl.models import build_model, get_spec
+
+
+class ExportSourceError(EdgeflError):
+    """A weights file or run directory that cannot be exported."""
+
+
+@dataclass
+class ModelSource:
+    """A model ready to export (eval mode) and the facts its metadata sidecar needs."""
+
+    name: str  # file stem for the exports
+    model: str  # zoo name
+    model_options: dict[str, Any]
+    module: nn.Module
+    kind: str  # "classifier" | "decoder"
+    num_classes: int
+    input_shape: tuple[int, ...]
+    class_names: list[str] = field(default_factory=list)
+    dataset: str | None = None
+    run: str | None = None
+    round: int | None = None
+    weights_path: str | None = None
+
+    @property
+    def latent_dim(self) -> int | None:
+        return getattr(self.module, "latent", None)
+
+
+class DecoderForExport(nn.Module):
+    """A CVAE's decoder alone, with the forward a phone calls: ``(z, y_onehot) -> sample``."""
+
+    def __init__(self, cvae: nn.Module) -> None:
+        super().__init__()
+        self.decoder = cvae.decoder
+        self.latent = int(cvae.latent)
+        self.num_classes = int(cvae.num_classes)
+
+    def forward(self, z: torch.Tensor, y_onehot: torch.Tensor) -> torch.Tensor:
+        return self.decoder(z, y_onehot)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from edgefl.rundir import load_model_file
+
+    try:
+        return load_model_file(path)
+    except Exception as exc:  # safetensors raises its own errors for truncated or foreign files
+        raise ExportSourceError(f"{path} is not a readable safetensors weights file ({exc})",
+                                hint="pass a models/*.safetensors file from a run directory, or the run directory itself") from None
+
+
+def _fit(module: nn.Module, state: dict[str, torch.Tensor], model: str, path: Path) -> None:
+    own = module.state_dict()
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or extra or wrong:
+        detail = (f"missing {missing[:2]}" if missing else "") + (f" unexpected {extra[:2]}" if extra else "")
+        if wrong:
+            k = wrong[0]
+            detail += f" {k} is {tuple(state[k].shape)}, {model} needs {tuple(own[k].shape)}"
+        raise ExportSourceError(f"the weights in {path} are not a {model}: {detail.strip()}",
+                                hint="pass the model the file was trained with (--model, --options), or the run directory it came from")
+    module.load_state_dict(state, strict=True)
+
+
+def load_weights_file(path: str | Path, model: str | None = None, model_options: dict[str, Any] | None = None,
+                      num_classes: int | None = None, input_shape: tuple[int, ...] | None = None) -> ModelSource:
+    """Rebuild the model a weights file holds. Metadata in the file wins over nothing; explicit
+    arguments win over metadata (and a clash of model names is an error)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExportSourceError(f"{path} does not exist", hint="pass a run directory or a .safetensors weights file")
+    state, meta = _read_safetensors(path)
+    name = model or meta.get("model")
+    if name is None:
+        raise ExportSourceError(f"{path} does not say which architecture it holds", hint="pass --model NAME (see `edgefl models`)")
+    if model and meta.get("model") and model != meta["model"]:
+        raise ExportSourceError(f"{path} holds a {meta['model']}, not a {model}", hint=f"drop --model or pass --model {meta['model']}")
+    spec = get_spec(name)
+    options = dict(meta.get("model_options") or {}) if model_options is None else dict(model_options)
+    classes = int(num_classes or meta.get("num_classes") or 10)
+    shape = tuple(input_shape or meta.get("input_shape") or spec.default_input_shape)
+    torch.manual_seed(0)
+    module = build_model(name, num_classes=classes, input_shape=shape, **options)
+    _fit(module, state, name, path)
+    module.eval()
+    kind = "classifier"
+    if spec.kind != "classifier":
+        module, kind = DecoderForExport(module).eval(), "decoder"
+    return ModelSource(
+        name=path.stem, model=name, model_options=options, module=module, kind=kind, num_classes=classes,
+        input_shape=shape, class_names=list(meta.get("class_names") or [str(i) for i in range(classes)]),
+        dataset=meta.get("dataset"), run=str(path.parent.parent) if path.parent.name == "models" else None,
+        round=meta.get("round"), weights_path=str(path),
+    )
+
+
+def sources_from_path(path: str | Path, model: str | None = None, select: str | None = None, **kw) -> list[ModelSource]:
+    """A weights file, or every model a run directory saved (its global models when it has them;
+    ``select`` keeps the files whose name contains it)."""
+    path = Path(path)
+    if path.is_dir():
+        folder = path / "models"
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            raise ExportSourceError(f"{path} has no models/*.safetensors", hint="is this a finished run directory? runs save their models when they end")
+        globals_ = [f for f in files if f.name.startswith("global-")]
+        chosen = globals_ or files
+        if select:
+            chosen = [f for f in files if select in f.stem]
+            if not chosen:
+                raise ExportSourceError(f"no model in {folder} matches {select!r}", hint="models: " + ", ".join(f.stem for f in files))
+        return [load_weights_file(f, model, **kw) for f in chosen]
+    return [load_weights_file(path, model, **kw)]
+
+
+def from_module(module: nn.Module, model: str, num_classes: int, input_shape: tuple[int, ...], **options: Any) -> ModelSource:
+    """Wrap an in-memory zoo model (tests, notebooks, the end of a run)."""
+    spec = get_spec(model)
+    module = module.eval()
+    kind = "classifier"
+    if spec.kind != "classifier":
+        module, kind = DecoderForExport(module).eval(), "decoder"
+    return ModelSource(name=model, model=model, model_options=dict(options), module=module, kind=kind,
+                       num_classes=num_classes, input_shape=tuple(input_shape), class_names=[str(i) for i in range(num_classes)])

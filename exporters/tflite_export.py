@@ -1,0 +1,161 @@
+"""TFLite export with litert-torch, checked with the LiteRT interpreter.
+
+litert-torch converts the PyTorch module directly (no TensorFlow). Its converter has no aarch64
+wheel, so conversion is a server-side step; the interpreter (``ai-edge-litert``, or the old
+``tflite_runtime`` on Pi images that only have that) runs anywhere.
+
+Batch is static (``batch``): litert-torch cannot convert a dynamic batch through a reshape of the
+batch dimension (flatten, ``view``), and the static file bakes that reshape too, so
+``resize_tensor_input`` works only for models without one. :func:`resizable` tries it and the
+metadata records the answer; for another batch size, export with ``--batch N``. ``channels_last`` wraps the model so image inputs (and
+image outputs, for decoders) are NHWC, the layout phone delegates prefer, without transposes in
+the app. int8 is PT2E static quantisation inside the converter (per-channel weights), calibrated
+on real training samples; the resulting model takes and returns int8, so its metadata carries
+the input and output scale and zero point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgefl.exporters.onnx_export import ExportError
+
+
+def _litert_torch():
+    try:
+        import litert_torch
+    except ImportError:
+        raise ExportError("TFLite export needs litert-torch, which is not installed",
+                          hint="pip install 'edgefl[export]' on an x86-64 machine (the converter has no aarch64 wheel)") from None
+    litert_torch.config.show_progress = False
+    return litert_torch
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The converter logs every pass to stdout/stderr; keep the CLI's output readable."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        yield
+
+
+def channels_last_wrapper(module: torch.nn.Module, kind: str, sample: tuple[torch.Tensor, ...]) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """The module with NHWC image I/O, and the sample permuted to match."""
+    litert_torch = _litert_torch()
+    if kind == "classifier":
+        if sample[0].dim() != 4:
+            return module, sample  # nothing spatial to re-lay
+        return litert_torch.to_channel_last_io(module, args=[0]), (sample[0].permute(0, 2, 3, 1).contiguous(),)
+    return litert_torch.to_channel_last_io(module, outputs=[0]), sample
+
+
+def convert(module: torch.nn.Module, sample: tuple[torch.Tensor, ...], path: Path,
+            calibration: Iterable[tuple[torch.Tensor, ...]] | None = None) -> Path:
+    """Convert to ``path``: float, or static int8 when ``calibration`` batches are given."""
+    litert_torch = _litert_torch()
+    try:
+        with _quiet():
+            if calibration is None:
+                edge = litert_torch.convert(module.eval(), sample)
+            else:
+                from litert_torch.quantize import pt2e_quantizer
+                from litert_torch.quantize.quant_config import QuantConfig
+                from torchao.quantization.pt2e import quantize_pt2e
+
+                quantizer = pt2e_quantizer.PT2EQuantizer().set_global(
+                    pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
+                graph = torch.export.export(module.eval(), sample).module()
+                graph = quantize_pt2e.prepare_pt2e(graph, quantizer)
+                with torch.no_grad():
+                    for batch in calibration:
+                        graph(*batch)
+                graph = quantize_pt2e.convert_pt2e(graph, fold_quantize=False)
+                edge = litert_torch.convert(graph, sample, quant_config=QuantConfig(pt2e_quantizer=quantizer))
+            edge.export(str(path))
+    except ExportError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"litert-torch could not convert this model: {first}",
+                          hint="an op without a TFLite lowering: replace it in the model, or export only ONNX") from None
+    return path
+
+
+def _interpreter_class():
+    try:
+        from ai_edge_litert.interpreter import Interpreter
+
+        return Interpreter, "ai-edge-litert"
+    except ImportError:
+        pass
+    try:
+        from tflite_runtime.interpreter import Interpreter  # old Pi images
+
+        return Interpreter, "tflite-runtime"
+    except ImportError:
+        raise ExportError("checking a .tflite file needs the LiteRT interpreter",
+                          hint="pip install ai-edge-litert (or tflite-runtime on Python <= 3.11 images)") from None
+
+
+def resizable(path: Path, sample: tuple[np.ndarray, ...]) -> bool:
+    """Whether the interpreter accepts a batch other than the file's (``resize_tensor_input``)."""
+    runner = TFLiteRunner(path)
+    try:
+        runner(*(np.concatenate([a, a, a]) for a in sample))
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+class TFLiteRunner:
+    """The LiteRT interpreter over one file: resizes the batch as needed, quantises int8 inputs
+    and dequantises int8 outputs with the scales in the file, so callers pass and get floats."""
+
+    def __init__(self, path: Path, threads: int | None = None) -> None:
+        cls, self.runtime = _interpreter_class()
+        self.interpreter = cls(model_path=str(path), num_threads=threads or 1)
+        self.interpreter.allocate_tensors()
+        self._batch = int(self.interpreter.get_input_details()[0]["shape"][0])
+
+    def quantization(self) -> dict[str, Any]:
+        def q(d: dict) -> dict:
+            scale, zero = d["quantization"]
+            return {"name": d["name"], "dtype": np.dtype(d["dtype"]).name, "scale": float(scale), "zero_point": int(zero)}
+
+        return {"inputs": [q(d) for d in self.interpreter.get_input_details()],
+                "outputs": [q(d) for d in self.interpreter.get_output_details()]}
+
+    def __call__(self, *arrays: np.ndarray) -> np.ndarray:
+        it = self.interpreter
+        details = it.get_input_details()
+        n = arrays[0].shape[0]
+        if n != self._batch:
+            for d, a in zip(details, arrays):
+                it.resize_tensor_input(d["index"], list(a.shape))
+            it.allocate_tensors()
+            self._batch = n
+            details = it.get_input_details()
+        for d, a in zip(details, arrays):
+            if np.dtype(d["dtype"]) == np.int8:
+                scale, zero = d["quantization"]
+                a = np.clip(np.round(a / scale) + zero, -128, 127).astype(np.int8)
+            it.set_tensor(d["index"], np.ascontiguousarray(a, dtype=d["dtype"]))
+        it.invoke()
+        out = it.get_output_details()[0]
+        y = it.get_tensor(out["index"])
+        if np.dtype(out["dtype"]) == np.int8:
+            scale, zero = out["quantization"]
+            y = (y.astype(np.float32) - zero) * scale
+        return y

@@ -1,0 +1,195 @@
+"""Export: every zoo model to ONNX and TFLite with parity against PyTorch on real inputs, int8 on a
+trained model, metadata, the mobile-usability check, and the error cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("litert_torch")
+pytest.importorskip("ai_edge_litert")
+
+from edgefl.data import load_dataset  # noqa: E402
+from edgefl.errors import EdgeflError  # noqa: E402
+from edgefl.exporters import (  # noqa: E402
+    ExportSourceError,
+    ParityError,
+    check_parity,
+    export_model,
+    export_path,
+    from_module,
+    load_weights_file,
+    read_sidecar,
+)
+from edgefl.models import build_model, model_names  # noqa: E402
+from edgefl.rundir import RunDir  # noqa: E402
+
+# Small widths keep the suite quick; the ops (and so the exporters' paths) are those of the full nets.
+SMALL = {"resnet": {"width": 0.125}, "fedhe-cnn": {"width": 0.125}, "vgg9": {"width": 0.0625}}
+
+
+def small_options(name: str) -> dict:
+    return next((v for k, v in SMALL.items() if name.startswith(k)), {})
+
+
+@pytest.fixture(scope="module")
+def fmnist():
+    try:
+        return load_dataset("fashion-mnist", download=False)
+    except EdgeflError as exc:
+        pytest.skip(f"Fashion-MNIST not installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def cancer():
+    return load_dataset("breast-cancer")
+
+
+def zoo_source(name: str, ds):
+    torch.manual_seed(0)
+    shape = tuple(ds.x_test.shape[1:])
+    model = build_model(name, num_classes=ds.num_classes, input_shape=shape, **small_options(name))
+    src = from_module(model, name, ds.num_classes, shape, **small_options(name))
+    src.dataset = ds.name
+    return src
+
+
+@pytest.mark.parametrize("name", [n for n in model_names() if n != "mlp"])
+def test_every_zoo_model_exports_to_both_formats_with_parity(name, fmnist, tmp_path):
+    files = export_model(zoo_source(name, fmnist), tmp_path, test_samples=64, mobile_check=False, dataset=fmnist)
+    formats = {(f.format, f.batch) for f in files}
+    assert formats == {("onnx", 1), ("onnx", None), ("tflite", 1)}
+    for f in files:
+        assert f.parity is not None and f.parity.max_abs_diff <= 1e-5 + 1e-4 * 100
+        if f.agreement is not None:
+            assert f.agreement == 1.0
+        assert read_sidecar(f.path)["parity"]["rtol"] == 1e-4
+
+
+def test_tabular_mlp_exports(cancer, tmp_path):
+    files = export_model(zoo_source("mlp", cancer), tmp_path, formats=("onnx", "tflite"), mobile_check=False, dataset=cancer)
+    assert all(f.parity is not None for f in files)
+    assert read_sidecar(files[0].path)["normalisation"]["description"].startswith("each feature standardised")
+
+
+def trained_lenet(ds) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model("lenet5", num_classes=10, input_shape=(1, 28, 28))
+    opt = torch.optim.Adam(model.parameters(), 2e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(1000):
+        idx = torch.randint(0, len(ds.y_train), (64,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(ds.x_train[idx]), ds.y_train[idx]).backward()
+        opt.step()
+    return model.eval()
+
+
+def test_int8_of_a_trained_model_keeps_98_percent_of_accuracy(fmnist, tmp_path):
+    src = from_module(trained_lenet(fmnist), "lenet5", 10, (1, 28, 28))
+    src.dataset = "fashion-mnist"
+    files = {f.path.name: f for f in export_model(src, tmp_path, int8=True, dataset=fmnist, test_samples=2000)}
+    float_acc = files["lenet5.tflite"].accuracy
+    assert float_acc > 0.75  # a real model, not chance
+    for name in ("lenet5.int8.tflite", "lenet5.int8.onnx"):
+        f = files[name]
+        assert f.accuracy >= 0.98 * float_acc and f.agreement > 0.95
+    meta = read_sidecar(files["lenet5.int8.tflite"].path)
+    io_in, io_out = meta["inputs"][0], meta["outputs"][0]
+    assert io_in["dtype"] == "int8" and io_in["scale"] > 0 and -128 <= io_in["zero_point"] <= 127
+    assert io_out["dtype"] == "int8" and "dequantize" in io_out
+    assert meta["float_test_accuracy"] == pytest.approx(float_acc)
+    assert files["lenet5.int8.tflite"].path.stat().st_size < 0.5 * files["lenet5.tflite"].path.stat().st_size
+
+
+def test_fixed_shape_onnx_passes_the_mobile_usability_check_and_dynamic_does_not(fmnist, tmp_path):
+    files = export_model(zoo_source("cnn-small", fmnist), tmp_path, formats=("onnx",), test_samples=64, dataset=fmnist)
+    fixed = next(f for f in files if f.batch == 1)
+    verdict = fixed.extra["mobile_usability"]
+    assert verdict["usable"] and verdict["dynamic_inputs"] == []
+    assert verdict["nnapi"]["supported_nodes"] == verdict["nnapi"]["nodes"]
+    assert "mobile_usability" not in next(f for f in files if f.batch is None).extra
+    assert read_sidecar(fixed.path)["mobile_usability"]["nnapi"]["verdict"] in ("YES", "MAYBE")
+
+
+def test_metadata_round_trips_and_detects_a_changed_file(fmnist, tmp_path):
+    files = export_model(zoo_source("lenet5", fmnist), tmp_path, formats=("tflite",), batch=4, channels_last=True, test_samples=64, dataset=fmnist)
+    f = files[0]
+    meta = read_sidecar(f.path)
+    assert meta["inputs"][0]["shape"] == [4, 28, 28, 1] and meta["inputs"][0]["layout"] == "NHWC"
+    assert meta["class_labels"][0] == fmnist.class_names[0] or meta["class_labels"][0] == "0"
+    assert meta["parameters"] == 44426 and meta["flops_per_sample"] > 0
+    assert meta["exporter_versions"]["litert-torch"] and meta["normalisation"]["scale"] == pytest.approx(1 / 255)
+    data = f.path.read_bytes()
+    f.path.write_bytes(data[:-10] + b"0123456789")
+    with pytest.raises(EdgeflError, match="SHA-256"):
+        read_sidecar(f.path)
+
+
+def test_decoder_channels_last_output(fmnist, tmp_path):
+    files = export_model(zoo_source("cvae-large", fmnist), tmp_path, formats=("tflite",), channels_last=True)
+    meta = read_sidecar(files[0].path)
+    assert meta["outputs"][0]["shape"] == [1, 28, 28, 1]
+    assert [i["name"] for i in meta["inputs"]] == ["z", "y_onehot"]
+
+
+def test_run_directory_export_carries_run_and_round(fmnist, tmp_path):
+    run = RunDir.create(tmp_path / "run", "x", 0)
+    model = build_model("cnn-small", num_classes=10, input_shape=(1, 28, 28))
+    run.save_model("global-cnn-small", model.state_dict(), {
+        "model": "cnn-small", "model_options": {}, "num_classes": 10, "input_shape": [1, 28, 28],
+        "class_names": list(fmnist.class_names), "dataset": "fashion-mnist", "round": 7, "arch": "cnn-small"})
+    files = export_path(run.path, formats=("onnx",), dynamic_batch=False, test_samples=64, mobile_check=False)
+    meta = read_sidecar(files[0].path)
+    assert files[0].path.parent == run.path / "export"
+    assert meta["source"]["round"] == 7 and meta["source"]["run"] == str(run.path)
+    assert meta["class_labels"] == list(fmnist.class_names)
+
+
+# --- bad input --------------------------------------------------------------------------------
+def test_weights_of_another_architecture_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    state = build_model("lenet5", num_classes=10, input_shape=(1, 28, 28)).state_dict()
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"model": json.dumps("cnn-small")})
+    with pytest.raises(ExportSourceError, match="not a cnn-small"):
+        load_weights_file(path)
+    bare = tmp_path / "bare.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(bare))
+    with pytest.raises(ExportSourceError, match="--model"):
+        load_weights_file(bare)
+    assert load_weights_file(bare, model="lenet5").model == "lenet5"
+
+
+def test_corrupt_weights_file_is_refused(tmp_path):
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ExportSourceError, match="not a readable safetensors"):
+        load_weights_file(path)
+
+
+def test_parity_failure_names_the_worst_output():
+    import numpy as np
+
+    ref = np.zeros((3, 4), dtype=np.float32)
+    got = ref.copy()
+    got[2, 1] = 0.5
+    with pytest.raises(ParityError, match=r"output\[2, 1\] is 0.5"):
+        check_parity("m.onnx", ref, got)
+
+
+def test_unsupported_op_is_a_clear_error_and_leaves_no_file(fmnist, tmp_path):
+    class Weird(torch.nn.Module):
+        def forward(self, x):
+            return torch.linalg.svd(x.flatten(1)[:, :10].reshape(-1, 2, 5)).S.flatten(1)
+
+    src = from_module(build_model("lenet5", num_classes=10, input_shape=(1, 28, 28)), "lenet5", 10, (1, 28, 28))
+    src.module, src.dataset = Weird(), "fashion-mnist"
+    with pytest.raises(EdgeflError) as info:
+        export_model(src, tmp_path, formats=("tflite",), test_samples=16, dataset=fmnist)
+    assert "could not convert" in str(info.value) or "parity" in str(info.value).lower()
+    assert not list(tmp_path.glob("*.tflite"))
