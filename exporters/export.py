@@ -166,6 +166,7 @@ def export_model(
     rtol: float = RTOL,
     atol: float = ATOL,
     mobile_check: bool = True,
+    int8_min_relative_accuracy: float = INT8_MIN_RELATIVE_ACCURACY,
     log: Callable[[str], None] = lambda _: None,
 ) -> list[ExportedFile]:
     """Export one model in every requested format; returns what was written (see module doc)."""
@@ -209,9 +210,9 @@ def export_model(
             test_out = run_in_batches(runner, tuple(layout_fn(t) for t in inputs.test), f.batch)
             f.accuracy = _accuracy(test_out, inputs.labels)
             f.agreement = float((test_out.argmax(1) == ref_test.argmax(1)).mean())
-            if f.precision == "int8" and torch_acc and f.accuracy < INT8_MIN_RELATIVE_ACCURACY * torch_acc:
+            if f.precision == "int8" and torch_acc and f.accuracy < int8_min_relative_accuracy * torch_acc:
                 raise ExportError(
-                    f"{f.path.name}: int8 test accuracy {f.accuracy:.4f} is below {INT8_MIN_RELATIVE_ACCURACY:.0%} of the "
+                    f"{f.path.name}: int8 test accuracy {f.accuracy:.4f} is below {int8_min_relative_accuracy:.0%} of the "
                     f"float model's {torch_acc:.4f} (top-1 agreement {f.agreement:.3f})",
                     hint="ship the float file, or calibrate on more samples; the int8 file was not kept")
 

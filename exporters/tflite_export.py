@@ -88,8 +88,9 @@ def convert(module: torch.nn.Module, sample: tuple[torch.Tensor, ...], path: Pat
         raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"litert-torch could not convert this model: {first}",
-                          hint="an op without a TFLite lowering: replace it in the model, or export only ONNX") from None
+        raise ExportError(f"litert-torch could not convert this model{' to int8' if calibration is not None else ''}: {first}",
+                          hint="the converter's message names the op; change that layer, export float only (no --int8), "
+                               "or export only ONNX (--format onnx)") from None
     return path
 
 

@@ -87,3 +87,33 @@ def test_interrupt_keeps_what_ran(tmp_path):
     assert proc.returncode == 130
     assert "interrupted after" in stderr and "Traceback" not in stderr
     assert (out / "metrics.jsonl").read_text().count("\n") >= 2 and (out / "plots" / "accuracy.png").is_file()
+
+
+def test_a_run_ends_with_its_exports_and_export_command_reexports(tmp_path):
+    pytest.importorskip("litert_torch")
+    import tomli_w
+
+    cfg = {
+        "name": "export-at-end", "seed": 0, "rounds": 1, "export": ["onnx", "tflite"],
+        "method": {"name": "fedavg"},
+        "data": {"dataset": "digits", "partition": "iid"},
+        "train": {"epochs": 1, "batch_size": 32},
+        "fleet": {"groups": [{"model": "fedhe-cnn-0", "count": 2, "options": {"width": 0.125}}]},
+    }
+    path = tmp_path / "run.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    out = tmp_path / "run"
+    res = edgefl("simulate", str(path), "--out", str(out), "-q", timeout=600)
+    assert res.returncode == 0, res.stderr
+    names = sorted(p.name for p in (out / "export").iterdir())
+    assert "global-fedhe-cnn-0_width_0.125.onnx" in names and "global-fedhe-cnn-0_width_0.125.tflite.json" in names, names
+    meta = json.loads((out / "export" / "global-fedhe-cnn-0_width_0.125.tflite.json").read_text())
+    assert meta["source"]["round"] == 1 and meta["normalisation"]["scale"] == pytest.approx(1 / 16)
+    # the command on one weights file, ONNX only, into another folder
+    weights = next((out / "models").glob("*.safetensors"))
+    res = edgefl("export", str(weights), "--format", "onnx", "--no-dynamic-batch", "--out", str(tmp_path / "again"))
+    assert res.returncode == 0, res.stderr
+    assert "max |diff|" in res.stdout and sorted(p.suffix for p in (tmp_path / "again").iterdir()) == [".json", ".onnx"]
+    # a wrong architecture is a clear error, not a traceback
+    res = edgefl("export", str(weights), "--model", "lenet5")
+    assert res.returncode != 0 and "holds a fedhe-cnn-0, not a lenet5" in res.stderr and "Traceback" not in res.stderr

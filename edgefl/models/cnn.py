@@ -69,12 +69,17 @@ def build_fedhe_cnn(
 def build_cnn_small(
     num_classes: int, input_shape: tuple[int, ...], width: float = 1.0, feature_dim: int | None = None
 ) -> SplitClassifier:
-    """FedMHO's FedAvg-baseline CNN: conv(10,5)-pool-relu, conv(20,5)-pool-relu, linear."""
+    """FedMHO's FedAvg-baseline CNN: conv(10,5)-pool-relu, conv(20,5)-pool-relu, linear.
+
+    ReLU runs before the max-pool here: the two commute exactly (both are monotone), so the
+    network computes the authors' function, and TFLite's int8 max-pool, which needs its input and
+    output on one scale, then sits after the ReLU where the converter can quantise it.
+    """
     cin, h, w = input_shape
     c1, c2 = _scaled(10, width), _scaled(20, width)
-    extractor = nn.Sequential(nn.Conv2d(cin, c1, 5), nn.MaxPool2d(2), nn.ReLU(inplace=True))
+    extractor = nn.Sequential(nn.Conv2d(cin, c1, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2))
     h, w = (h - 4) // 2, (w - 4) // 2
-    body = nn.Sequential(nn.Conv2d(c1, c2, 5), nn.MaxPool2d(2), nn.ReLU(inplace=True), nn.Flatten(1))
+    body = nn.Sequential(nn.Conv2d(c1, c2, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Flatten(1))
     h, w = (h - 4) // 2, (w - 4) // 2
     intermediate, feat = with_feature_width(body, c2 * h * w, feature_dim)
     return SplitClassifier(extractor, intermediate, nn.Linear(feat, num_classes), feat)
