@@ -219,3 +219,14 @@ def test_fedin_simulation_on_digits_is_reproducible_and_learns():
     runs = [Simulation(RunConfig.model_validate(raw), show_progress=False).run() for _ in range(2)]
     assert runs[0]["final_accuracy"] == runs[1]["final_accuracy"]
     assert runs[0]["final_accuracy"]["overall"] > 0.3  # 10 classes: chance is 0.1
+
+
+def test_without_in_training_no_pairs_travel():
+    s = make_server(in_training=False)
+    s.begin_round(1)
+    c = client(in_training=False)
+    up = c.fit(s.downlink(1, "c0"), 1)
+    assert not any(k.startswith(PAIRS_PREFIX) for k in up.tensors)
+    assert s.receive(up).status == "accepted"
+    s.close_round(1)
+    assert PAIRS_PREFIX + "s_in" not in s.downlink(2, "c1").tensors

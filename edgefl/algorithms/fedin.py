@@ -167,8 +167,9 @@ class FedINClient(ClientHalf):
                             after_backward=after_backward, after_step=after_step)
         self.record(stats)
         tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        pair_in, pair_out = self.feature_pairs(gen)
-        tensors[PAIRS_PREFIX + "s_in"], tensors[PAIRS_PREFIX + "s_out"] = pair_in, pair_out
+        if opts.in_training:  # without IN training (FedAvg/FedProx) nobody uses pairs: do not send them
+            pair_in, pair_out = self.feature_pairs(gen)
+            tensors[PAIRS_PREFIX + "s_in"], tensors[PAIRS_PREFIX + "s_out"] = pair_in, pair_out
         return Message("weights", round, self.client_id, tensors, self.base_meta(round))
 
     @torch.no_grad()
