@@ -19,13 +19,15 @@ every model. Prints the error per model; the target is within 25 % for both.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from common import save
 
-from edgefl.profile.cost import estimate, fit_step_model, freeze, layer_count
+from edgefl.profile.cost import activation_bytes_per_sample, estimate, fit_step_model, freeze, layer_count
 from edgefl.profile.measure import DEFAULT_MODELS, ModelCandidate, measure_model
 
 MODELS = [
@@ -35,12 +37,7 @@ MODELS = [
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=MODELS)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=5)
-    args = ap.parse_args()
+def measure(args) -> list[dict]:
     t0 = time.perf_counter()
     rows = []
     for text in args.models:
@@ -49,38 +46,62 @@ def main() -> None:
         if "error" in m:
             print(f"{cand.label}: {m['error']}", flush=True)
             continue
+        frozen = freeze(cand.options)
         est = estimate(cand.name, cand.options, batch=args.batch, optimizer="adam")
         rows.append({"model": cand.label, "spec": text, "kind": est.kind, "flops": m["flops_per_sample"], "params": m["params"],
-                     "layers": layer_count(cand.name, freeze(cand.options), (1, 28, 28), 10), "batch": args.batch,
+                     "layers": layer_count(cand.name, frozen, (1, 28, 28), 10), "batch": args.batch,
+                     "activation_bytes": activation_bytes_per_sample(cand.name, frozen, (1, 28, 28), 10),
                      "step_s": m["step_s"], "train_gflops": m["train_gflops"], "memory_measured": m["train_memory_bytes"],
                      "memory_naive": est.train_memory_bytes})
         print(f"measured {cand.label:28s} step {m['step_s'] * 1000:8.1f} ms  {m['train_gflops']:6.2f} GFLOP/s  "
               f"memory {m['train_memory_bytes'] / 2**20:7.1f} MiB (elapsed {time.perf_counter() - t0:.0f}s)", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--from-results", type=Path, default=None, help="re-evaluate the measurements of an earlier run")
+    args = ap.parse_args()
+    if args.from_results:
+        rows = json.loads(args.from_results.read_text())["rows"]
+    else:
+        rows = measure(args)
+    batch = rows[0]["batch"]
     effective = statistics.median(r["train_gflops"] for r in rows)
     calibration = [r for r in rows if r["spec"] in DEFAULT_MODELS]
+    old_keys = ("layers", "flops", "batch", "step_s", "memory_measured", "memory_naive")
+    two_term = fit_step_model([{k: r[k] for k in old_keys} for r in calibration])
     fit = fit_step_model(calibration)
     print(f"\nnaive: effective {effective:.2f} GFLOP/s (median over {len(rows)} models)")
-    print(f"calibrated on {len(calibration)} models: {fit.effective_gflops:.2f} GFLOP/s, {fit.layer_overhead_us:.1f} us per layer "
-          f"per step, {fit.memory_overhead_bytes / 2**20:.1f} MiB memory overhead\n")
-    print(f"{'model':28s} {'step':>9s} {'naive':>7s} {'calib':>7s} {'memory':>9s} {'naive':>7s} {'calib':>7s}")
-    within = {"time_naive": 0, "time_calibrated": 0, "memory_naive": 0, "memory_calibrated": 0}
+    print(f"two-term fit on {len(calibration)} models: {two_term.effective_gflops:.2f} GFLOP/s, {two_term.layer_overhead_us:.1f} us/layer, "
+          f"{two_term.memory_overhead_bytes / 2**20:.1f} MiB")
+    print(f"full fit on {len(calibration)} models: {fit.effective_gflops:.2f} GFLOP/s, {fit.layer_overhead_us:.1f} us/layer, "
+          f"{fit.param_overhead_ns:.3f} ns/param, activations x{fit.activation_factor:.2f} + {fit.memory_overhead_bytes / 2**20:.1f} MiB\n")
+    keys = ("naive", "two_term", "full")
+    print(f"{'model':28s} {'step':>9s} " + " ".join(f"{k:>8s}" for k in keys) + f" {'memory':>9s} " + " ".join(f"{k:>8s}" for k in keys))
+    within = {f"{what}_{k}": 0 for what in ("time", "memory") for k in keys}
     for r in rows:
-        work = 3 * r["flops"] * args.batch
+        work = 3 * r["flops"] * batch
         r["step_naive"] = work / (effective * 1e9)
-        r["step_calibrated"] = r["layers"] * fit.layer_overhead_us * 1e-6 + work / (fit.effective_gflops * 1e9)
-        r["memory_calibrated"] = r["memory_naive"] + fit.memory_overhead_bytes
-        for key in ("naive", "calibrated"):
+        r["step_two_term"] = r["layers"] * two_term.layer_overhead_us * 1e-6 + work / (two_term.effective_gflops * 1e9)
+        r["step_full"] = fit.step_seconds(r["flops"], batch, r["layers"], r["params"])
+        r["memory_two_term"] = r["memory_naive"] + two_term.memory_overhead_bytes
+        r["memory_full"] = fit.memory_bytes(r["params"], 8, r["activation_bytes"], batch)
+        for key in keys:
             r[f"time_error_{key}"] = r[f"step_{key}"] / r["step_s"] - 1
             r[f"memory_error_{key}"] = r[f"memory_{key}"] / r["memory_measured"] - 1
             within[f"time_{key}"] += abs(r[f"time_error_{key}"]) <= 0.25
             within[f"memory_{key}"] += abs(r[f"memory_error_{key}"]) <= 0.25
-        print(f"{r['model']:28s} {r['step_s'] * 1000:7.1f}ms {r['time_error_naive']:+7.0%} {r['time_error_calibrated']:+7.0%} "
-              f"{r['memory_measured'] / 2**20:7.1f}Mi {r['memory_error_naive']:+7.0%} {r['memory_error_calibrated']:+7.0%}")
+        print(f"{r['model']:28s} {r['step_s'] * 1000:7.1f}ms " + " ".join(f"{r[f'time_error_{k}']:+8.0%}" for k in keys)
+              + f" {r['memory_measured'] / 2**20:7.1f}Mi " + " ".join(f"{r[f'memory_error_{k}']:+8.0%}" for k in keys))
     n = len(rows)
-    print(f"\nwithin 25 %: step time naive {within['time_naive']}/{n}, calibrated {within['time_calibrated']}/{n}; "
-          f"memory naive {within['memory_naive']}/{n}, calibrated {within['memory_calibrated']}/{n}")
-    path = save("cost_model", {"args": vars(args), "effective_gflops_median": effective, "fit": vars(fit), "rows": rows,
-                               "within_25pct": within})
+    print("\nwithin 25 %: step time " + ", ".join(f"{k} {within[f'time_{k}']}/{n}" for k in keys)
+          + "; memory " + ", ".join(f"{k} {within[f'memory_{k}']}/{n}" for k in keys))
+    path = save("cost_model", {"args": {k: str(v) for k, v in vars(args).items()}, "effective_gflops_median": effective,
+                               "fit_two_term": vars(two_term), "fit": vars(fit), "rows": rows, "within_25pct": within})
     print(f"wrote {path}")
 
 

@@ -2,12 +2,17 @@
 
 Time per round: ``3 x forward FLOPs x samples x epochs / effective FLOP/s`` (backward costs about
 twice the forward pass, as FedScale assumes; torch's counter measured 2.96x), plus, when the
-profile has measured it, ``steps x layers x per-layer overhead`` (the dispatch cost that
-dominates small models), plus the model's upload and download at the profile's bandwidth.
+profile has measured them, ``steps x layers x per-layer overhead`` (the dispatch cost that
+dominates small models) and ``steps x params x per-parameter cost`` (zeroing gradients and the
+optimizer's update stream every parameter through memory several times: it dominates models
+whose parameters outweigh their arithmetic, like VGG-9's 51 M-parameter FC layer), plus the
+model's upload and download at the profile's bandwidth.
 Memory: ``params x (4 weights + 4 gradients + optimizer state)`` plus the activations autograd
 keeps for a batch (measured once per model by forward hooks: the bytes every leaf module outputs
-per sample), plus the profile's measured per-step overhead when known. Storage: the parameter
-bytes. ``edgefl device-profile`` fits the two overhead terms from the models it measures.
+per sample), scaled by the profile's activation factor when known (autograd also keeps some
+inputs, and kernels take workspace), plus the profile's per-step overhead when known. Storage:
+the parameter bytes. ``edgefl device-profile`` fits the overhead terms from the models it
+measures.
 """
 
 from __future__ import annotations
@@ -64,43 +69,83 @@ def freeze(options: dict) -> tuple:
 
 
 def compute_seconds(
-    profile: DeviceProfile, flops_per_sample: int, samples: int, layers: int | None = None, batch: int | None = None
+    profile: DeviceProfile, flops_per_sample: int, samples: int, layers: int | None = None, batch: int | None = None,
+    params: int | None = None,
 ) -> float | None:
     """Training time for ``samples`` at the profile's effective speed (None when unknown), plus,
-    when the profile knows it, the per-layer dispatch cost of every step."""
+    when the profile knows them, the per-layer and per-parameter costs of every step."""
     speed = profile.compute.effective_gflops
     if not speed.known or not speed.value:
         return None
     t = 3 * flops_per_sample * samples / (speed.value * 1e9)
-    overhead = profile.compute.layer_overhead_us
-    if overhead.known and layers and batch:
-        t += -(-samples // batch) * layers * overhead.value * 1e-6
+    if batch:
+        steps = -(-samples // batch)
+        overhead = profile.compute.layer_overhead_us
+        if overhead.known and layers:
+            t += steps * layers * overhead.value * 1e-6
+        per_param = profile.compute.param_overhead_ns
+        if per_param.known and params:
+            t += steps * params * per_param.value * 1e-9
     return t
 
 
 @dataclass(frozen=True)
 class StepFit:
-    """A host's training speed as two numbers: arithmetic throughput and per-layer overhead."""
+    """A host's training cost as a few numbers: arithmetic throughput, per-layer and per-parameter
+    step costs, and how much memory activations really take and what comes on top."""
 
     effective_gflops: float
     layer_overhead_us: float
     memory_overhead_bytes: float
+    param_overhead_ns: float = 0.0
+    activation_factor: float = 1.0
+
+    def step_seconds(self, flops: float, batch: int, layers: int, params: int) -> float:
+        return layers * self.layer_overhead_us * 1e-6 + 3 * flops * batch / (self.effective_gflops * 1e9) + params * self.param_overhead_ns * 1e-9
+
+    def memory_bytes(self, params: int, optimizer_bytes: int, activation_bytes: float, batch: int) -> float:
+        return params * (8 + optimizer_bytes) + self.activation_factor * activation_bytes * batch + self.memory_overhead_bytes
+
+
+def _nonnegative_lstsq(a, b):
+    """Least squares with every coefficient >= 0 (costs cannot be negative): scipy's NNLS when
+    available, else plain least squares clipped at zero."""
+    import numpy as np
+
+    try:
+        from scipy.optimize import nnls
+
+        return nnls(a, b)[0]
+    except ImportError:
+        return np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0, None)
 
 
 def fit_step_model(rows: list[dict]) -> StepFit:
-    """Least-squares fit of ``step = layers x overhead + 3 x FLOPs x batch / speed`` and the median
-    memory the naive model misses, from measured rows (keys: flops, batch, layers, step_s,
-    memory_measured, memory_naive)."""
+    """Fit the host terms from measured rows (keys: flops, batch, layers, params, step_s,
+    memory_measured, activation_bytes; rows without params/activation_bytes fit the older
+    two-term model). Time: ``step = layers x o + 3 x FLOPs x batch / speed + params x p``.
+    Memory: ``measured - params x 16 = k x activations x batch + overhead``. Both weight each row by
+    1 / its size, so relative errors count and small models weigh as much as big ones."""
     import numpy as np
 
-    a = np.array([[r["layers"], 3 * r["flops"] * r["batch"]] for r in rows], dtype=float)
+    full = all("params" in r for r in rows)
+    cols = [[r["layers"], 3 * r["flops"] * r["batch"]] + ([r["params"]] if full else []) for r in rows]
+    a = np.array(cols, dtype=float)
     t = np.array([r["step_s"] for r in rows], dtype=float)
-    # relative errors matter: weight each row by 1 / its time so small models count as much as big
     w = 1 / t
-    coef, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
-    overhead_s, inv_speed = max(coef[0], 0.0), max(coef[1], 1e-15)
+    scale = a.max(0)
+    scale[scale == 0] = 1
+    coef = _nonnegative_lstsq((a / scale) * w[:, None], t * w) / scale
+    overhead_s, inv_speed = coef[0], max(coef[1], 1e-15)
+    per_param_s = coef[2] if full else 0.0
+    if all("activation_bytes" in r and "params" in r for r in rows):
+        m = np.array([r["memory_measured"] - r["params"] * 16 for r in rows], dtype=float)
+        am = np.array([[r["activation_bytes"] * r["batch"], 1.0] for r in rows])
+        wm = 1 / np.array([r["memory_measured"] for r in rows], dtype=float)
+        k, base = _nonnegative_lstsq(am * wm[:, None] / am.max(0), m * wm) / am.max(0)
+        return StepFit(1 / inv_speed / 1e9, overhead_s * 1e6, float(base), per_param_s * 1e9, float(k))
     mem = float(np.median([r["memory_measured"] - r["memory_naive"] for r in rows]))
-    return StepFit(1 / inv_speed / 1e9, overhead_s * 1e6, max(mem, 0.0))
+    return StepFit(1 / inv_speed / 1e9, overhead_s * 1e6, max(mem, 0.0), per_param_s * 1e9)
 
 
 def transfer_seconds(profile: DeviceProfile, up_bytes: int, down_bytes: int) -> float | None:
@@ -148,13 +193,14 @@ def estimate(
     frozen = freeze(options)
     info = model_info(name, num_classes=num_classes, input_shape=input_shape, **options)
     act = activation_bytes_per_sample(name, frozen, tuple(input_shape), num_classes)
-    memory = info.params * (8 + OPTIMIZER_STATE_BYTES[optimizer]) + act * batch
+    factor = profile.memory.activation_factor if profile is not None else None
+    memory = info.params * (8 + OPTIMIZER_STATE_BYTES[optimizer]) + act * batch * (factor.value if factor and factor.known else 1.0)
     if profile is not None and profile.memory.step_overhead_bytes.known:
         memory += profile.memory.step_overhead_bytes.value
     compute_s = transfer_s = None
     if profile is not None:
         layers = layer_count(name, frozen, tuple(input_shape), num_classes)
-        compute_s = compute_seconds(profile, info.flops_per_sample, samples * epochs, layers, batch)
+        compute_s = compute_seconds(profile, info.flops_per_sample, samples * epochs, layers, batch, info.params)
         payload = info.params * 4 if upload_bytes is None else upload_bytes
         transfer_s = transfer_seconds(profile, payload, info.params * 4)
     return CostEstimate(name, frozen, info.kind, info.params, info.flops_per_sample, int(memory), info.params * 4, compute_s, transfer_s)

@@ -91,14 +91,15 @@ def matmul_gflops(n: int, seconds: float, device: torch.device) -> float:
 def fit_host(measured: list[dict[str, Any]], batch: int, input_shape: tuple[int, ...]):
     """The cost model's two host terms, fitted from measured training steps."""
     from edgefl.models import get_spec
-    from edgefl.profile.cost import estimate, fit_step_model, freeze, layer_count
+    from edgefl.profile.cost import activation_bytes_per_sample, fit_step_model, freeze, layer_count
 
     rows = []
     for m in measured:
         shape = tuple(get_spec(m["model"]).default_input_shape) if get_spec(m["model"]).family == "mlp" else tuple(input_shape)
-        naive = estimate(m["model"], m["options"], batch=batch, optimizer="adam", input_shape=shape).train_memory_bytes
-        rows.append({"layers": layer_count(m["model"], freeze(m["options"]), shape, 10), "flops": m["flops_per_sample"],
-                     "batch": batch, "step_s": m["step_s"], "memory_measured": m["train_memory_bytes"], "memory_naive": naive})
+        frozen = freeze(m["options"])
+        rows.append({"layers": layer_count(m["model"], frozen, shape, 10), "flops": m["flops_per_sample"], "params": m["params"],
+                     "activation_bytes": activation_bytes_per_sample(m["model"], frozen, shape, 10),
+                     "batch": batch, "step_s": m["step_s"], "memory_measured": m["train_memory_bytes"]})
     return fit_step_model(rows)
 
 
@@ -210,9 +211,13 @@ def profile_host(
     fit = fit_host(ok, batch, input_shape) if len(ok) >= 3 else None
     if fit is not None:
         details["fit"] = {"effective_gflops": fit.effective_gflops, "layer_overhead_us": fit.layer_overhead_us,
-                          "memory_overhead_bytes": fit.memory_overhead_bytes}
+                          "param_overhead_ns": fit.param_overhead_ns, "memory_overhead_bytes": fit.memory_overhead_bytes,
+                          "activation_factor": fit.activation_factor}
         effective = fit.effective_gflops
-        speed_source = f"least-squares fit over {len(ok)} zoo models of step = layers x overhead + 3 x FLOPs x batch / speed"
+        speed_source = (f"non-negative least-squares fit over {len(ok)} zoo models of "
+                        "step = layers x overhead + 3 x FLOPs x batch / speed + params x per-parameter cost")
+    memory_source = (f"fit over {len(ok)} zoo models of peak training memory - params x 16 "
+                     "= activation factor x leaf-output bytes x batch + overhead")
     if broker:
         on_step(f"broker round trip: {broker}")
         details["broker"] = {"url": broker, **broker_round_trip(broker)}
@@ -236,12 +241,13 @@ def profile_host(
                 "clock_mhz": _measured(round(freq.max or freq.current) if freq and (freq.max or freq.current) else None, "psutil.cpu_freq")},
         "memory": {"ram_bytes": _measured(vm.total, "psutil.virtual_memory().total"),
                    "training_budget_bytes": _measured(budget, "psutil.virtual_memory().available at measurement time"),
-                   "step_overhead_bytes": _measured(round(fit.memory_overhead_bytes) if fit else None,
-                                                    "median over the measured models of peak training memory minus the cost model's weights, optimizer and activations"),
+                   "step_overhead_bytes": _measured(round(fit.memory_overhead_bytes) if fit else None, memory_source),
+                   "activation_factor": _measured(round(fit.activation_factor, 3) if fit else None, memory_source),
                    "storage_bytes": _measured(free_disk, f"shutil.disk_usage({runs_dir})")},
         "compute": {"matmul_gflops": _measured(round(mm, 2), f"torch.mm {matmul_n}x{matmul_n} fp32 on {device.type}"),
                     "effective_gflops": _measured(round(effective, 3) if effective else None, speed_source),
-                    "layer_overhead_us": _measured(round(fit.layer_overhead_us, 2) if fit else None, speed_source)},
+                    "layer_overhead_us": _measured(round(fit.layer_overhead_us, 2) if fit else None, speed_source),
+                    "param_overhead_ns": _measured(round(fit.param_overhead_ns, 4) if fit else None, speed_source)},
         "accelerator": accel,
         "runtimes": {"trains_with": ["pytorch"], "runs": ["pytorch"]},
     }

@@ -74,6 +74,7 @@ class Memory(_Strict):
     ram_bytes: Quantity = Field(default_factory=_unknown)
     training_budget_bytes: Quantity = Field(default_factory=_unknown, description="RAM left for training after OS and runtime")
     step_overhead_bytes: Quantity = Field(default_factory=_unknown, description="training memory beyond weights, optimizer and activations")
+    activation_factor: Quantity = Field(default_factory=_unknown, description="bytes autograd and kernels hold per byte of leaf-module output")
     storage_bytes: Quantity = Field(default_factory=_unknown, description="free storage where runs are kept")
 
 
@@ -82,6 +83,7 @@ class Compute(_Strict):
     effective_gflops: Quantity = Field(default_factory=_unknown, description="fp32 training throughput on a real network")
     int8_gops: Quantity = Field(default_factory=_unknown)
     layer_overhead_us: Quantity = Field(default_factory=_unknown, description="per-layer, per-step dispatch cost of a training step")
+    param_overhead_ns: Quantity = Field(default_factory=_unknown, description="per-parameter, per-step cost (gradients, optimizer update: memory traffic)")
 
 
 class Accelerator(_Strict):

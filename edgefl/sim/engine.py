@@ -156,7 +156,7 @@ class Simulation:
         info = model_info(slot.model, num_classes=self.ds.num_classes, input_shape=shape, **slot.model_options)
         layers = layer_count(slot.model, freeze(slot.model_options), shape, self.ds.num_classes)
         batch = self.cfg.train_for(slot.group).batch_size
-        compute = compute_seconds(slot.profile, info.flops_per_sample, samples, layers, batch)
+        compute = compute_seconds(slot.profile, info.flops_per_sample, samples, layers, batch, info.params)
         if compute is None:
             return None
         return compute + (transfer_seconds(slot.profile, up_bytes, down_bytes) or 0.0)
