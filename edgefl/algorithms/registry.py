@@ -72,6 +72,20 @@ METHODS: dict[str, MethodSpec] = {
             "edgefl.algorithms.fedin:FedINOptions",
         ),
         MethodSpec(
+            "felo",
+            "Felo (paper 000): per-class mid-level features and logits, same-architecture weight averaging",
+            "edgefl.algorithms.felo:FeloClient",
+            "edgefl.server.methods.felo:FeloServer",
+            "edgefl.algorithms.felo:FeloOptions",
+        ),
+        MethodSpec(
+            "velo",
+            "Velo (paper 000): Felo with a server-side conditional VAE generating per-class features",
+            "edgefl.algorithms.felo:FeloClient",
+            "edgefl.server.methods.felo:VeloServer",
+            "edgefl.algorithms.felo:VeloOptions",
+        ),
+        MethodSpec(
             "chfl",
             "CHFL (Liu et al.): private backbones, shared E x C head, decoupled KD at a decaying temperature",
             "edgefl.algorithms.chfl:CHFLClient",

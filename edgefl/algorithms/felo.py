@@ -1,0 +1,155 @@
+"""Felo and Velo (paper 000), client half (the two methods share it).
+
+Every zoo classifier is ``extractor -> intermediate -> head``; Felo's mid-level feature is the
+head's input (``model.features(x)``). Rounds up to ``warmup_rounds`` ("initial training") use
+cross-entropy only; afterwards the loss is paper Eq. 1::
+
+    CE(logits, y) + alpha * (MSE(feature, s_server[y]) + L_logit(logits, p_server[y]))
+
+with ``L_logit`` = KL (the paper; ``logit_loss = "mse"`` is the authors' code). For a class the
+server has no knowledge of yet (nobody reported it) the two extra terms are zero for its samples:
+those train with CE alone. When the server sends several synthetic features per class (Velo),
+each sample is matched with one of its class's features drawn at random every step.
+
+During training the client accumulates, per class it holds, the sum of its mid-level features and
+logits; it uploads the class means, the counts and its weights (which the server averages among
+clients of the same architecture only).
+
+**Feature width.** Averaging features across architectures needs one width, ``feature_dim``
+(512 by default, what the paper's ResNets all emit). Every zoo classifier takes the builder option
+``feature_dim``: when it differs from the architecture's natural width a fixed-width projection
+(Linear + ReLU) is appended to the intermediate layers, as heterogeneous-model libraries do. A
+device whose model emits another width is refused at start-up, with the option to set.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch.nn import functional as F
+
+from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.fedavg import load_weights
+from edgefl.algorithms.training import train_local
+from edgefl.errors import ConfigError
+from edgefl.messages import Message
+
+#: tensor-name prefix of the per-class knowledge inside a message that also carries weights
+KNOWLEDGE = "class."
+
+
+class FeloOptions(MethodOptions):
+    alpha: float = Field(0.5, ge=0, description="weight of the feature and logit terms (authors' code: 0.5)")
+    logit_loss: Literal["kl", "mse"] = Field("kl", description="KL (paper Eq. 1) or MSE on raw logits (authors' code)")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature of the KL term")
+    feature_dim: int = Field(512, ge=1, description="the common mid-level feature width (every group's options.feature_dim)")
+    warmup_rounds: int | None = Field(None, ge=0, description="CE-only rounds; default 5 % of the run (authors' code), at least 1")
+    store_size: int = Field(64, ge=1, description="server: the most recent reports kept per class")
+
+
+class VeloOptions(FeloOptions):
+    latent_dim: int = Field(64, ge=1, description="server CVAE latent size (authors' code: 1024 for 512-d features)")
+    hidden_dim: int = Field(256, ge=1, description="server CVAE hidden width (one hidden layer in encoder and decoder)")
+    retrain_every: int = Field(1, ge=1, description="retrain the CVAE every k rounds (paper Table 4: k = 1..10 all work)")
+    cvae_epochs: int = Field(50, ge=1, description="passes over the feature store per retraining")
+    cvae_lr: float = Field(1e-3, gt=0)
+    synthetic_per_class: int = Field(8, ge=1, description="synthetic features sent per class")
+
+
+def felo_loss(
+    logits: torch.Tensor, feats: torch.Tensor, y: torch.Tensor, server_feats: torch.Tensor | None, server_logits: torch.Tensor | None,
+    mask: torch.Tensor | None, options: FeloOptions, pick: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paper Eq. 1 for one batch. ``server_feats`` is [C, n, F]; ``pick`` chooses one of the n per sample."""
+    ce = F.cross_entropy(logits, y)
+    if server_feats is None or options.alpha == 0:
+        return ce
+    has = mask[y].to(logits.dtype)
+    if not bool(has.any()):
+        return ce
+    idx = torch.zeros_like(y) if pick is None else pick
+    target_f = server_feats[y, idx]
+    mse = ((feats - target_f) ** 2).mean(1)
+    teacher = server_logits[y]
+    if options.logit_loss == "mse":
+        logit_term = ((logits - teacher) ** 2).mean(1)
+    else:
+        t = options.temperature
+        logit_term = F.kl_div(F.log_softmax(logits / t, 1), F.softmax(teacher / t, 1), reduction="none").sum(1) * t * t
+    return ce + options.alpha * ((mse + logit_term) * has).sum() / len(y)
+
+
+class KnowledgeCollector:
+    """Per-class sums of mid-level features and logits over the samples trained on."""
+
+    def __init__(self, num_classes: int, feature_dim: int) -> None:
+        self.feat_sums = torch.zeros(num_classes, feature_dim, dtype=torch.float64)
+        self.logit_sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+        self.counts = torch.zeros(num_classes, dtype=torch.int64)
+
+    def add(self, feats: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
+        self.feat_sums.index_add_(0, y, feats.detach().to(torch.float64))
+        self.logit_sums.index_add_(0, y, logits.detach().to(torch.float64))
+        self.counts += torch.bincount(y, minlength=len(self.counts))
+
+    def means(self) -> dict[str, torch.Tensor]:
+        seen = torch.nonzero(self.counts > 0).flatten()
+        n = self.counts[seen].to(torch.float64).unsqueeze(1)
+        return {KNOWLEDGE + "classes": seen, KNOWLEDGE + "counts": self.counts[seen],
+                KNOWLEDGE + "features": (self.feat_sums[seen] / n).float(), KNOWLEDGE + "logits": (self.logit_sums[seen] / n).float()}
+
+
+def warmup_rounds(options: FeloOptions, total_rounds: int) -> int:
+    return options.warmup_rounds if options.warmup_rounds is not None else max(1, math.ceil(0.05 * total_rounds))
+
+
+class FeloClient(ClientHalf):
+    uploads_kind = "class_features"
+
+    def __init__(self, setup, options: FeloOptions) -> None:
+        super().__init__(setup, options)
+        width = getattr(self.model, "feature_dim", None)
+        if width != options.feature_dim:
+            raise ConfigError(
+                f"{setup.arch} emits {width}-wide mid-level features; Felo/Velo average them across architectures at "
+                f"width {options.feature_dim}",
+                hint=f"set options.feature_dim = {options.feature_dim} in every fleet group (or method.feature_dim = {width})",
+            )
+        self.server_feats: torch.Tensor | None = None
+        self.server_logits: torch.Tensor | None = None
+        self.server_mask: torch.Tensor | None = None
+
+    def receive(self, downlink: Message | None) -> None:
+        if downlink is None:
+            return
+        t = downlink.tensors
+        load_weights(self.model, {k: v for k, v in t.items() if not k.startswith(KNOWLEDGE)})
+        if KNOWLEDGE + "features" in t:
+            self.server_feats = t[KNOWLEDGE + "features"].float()
+            self.server_logits = t[KNOWLEDGE + "logits"].float()
+            self.server_mask = t[KNOWLEDGE + "mask"].bool()
+
+    def fit(self, downlink: Message | None, round: int) -> Message | None:
+        self.receive(downlink)
+        opts: FeloOptions = self.options  # type: ignore[assignment]
+        distill = round > warmup_rounds(opts, self.setup.total_rounds) and self.server_feats is not None
+        collector = KnowledgeCollector(self.setup.num_classes, opts.feature_dim)
+        gen = self.round_generator(round)
+        n_synth = self.server_feats.shape[1] if distill else 1
+
+        def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            logits, feats = self.model.forward_with_features(xb)
+            collector.add(feats, logits, yb)
+            if not distill:
+                return F.cross_entropy(logits, yb)
+            pick = torch.randint(0, n_synth, (len(yb),), generator=gen) if n_synth > 1 else None
+            return felo_loss(logits, feats, yb, self.server_feats, self.server_logits, self.server_mask, opts, pick)
+
+        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, loss_fn)
+        self.record(stats)
+        tensors = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        tensors.update(collector.means())
+        return Message("class_features", round, self.client_id, tensors, self.base_meta(round))
