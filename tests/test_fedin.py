@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from edgefl.algorithms.base import ClientSetup
-from edgefl.algorithms.fedin import PAIRS_PREFIX, FedINClient, FedINOptions, _KeepBatchNormStats, alleviate, proximal_term
+from edgefl.algorithms.fedin import (
+    PAIRS_PREFIX,
+    FedINClient,
+    FedINOptions,
+    _KeepBatchNormStats,
+    alleviate,
+    project_conflict,
+    proximal_term,
+)
 from edgefl.config import TrainSettings
 from edgefl.messages import Message, decode, encode
 from edgefl.models import build_model
@@ -31,14 +39,16 @@ def make_server(models=("resnet10", "resnet14", "resnet18"), counts=(10, 30, 60)
 def test_projection_removes_only_the_conflicting_component():
     g_local = torch.tensor([1.0, 0.0])
     g_in = torch.tensor([-1.0, 1.0])  # b = -1 < 0, a = 1: conflict
-    z = alleviate(g_local, g_in, "projection")
-    torch.testing.assert_close(z, torch.tensor([0.0, 1.0]))  # g_in - (b/a) g_local = [-1,1] + [1,0]
+    z = project_conflict(g_local, g_in)
+    torch.testing.assert_close(z, torch.tensor([0.0, 1.0]))  # Eq. 13: g_in - (b/a) g_local = [-1,1] + [1,0]
     assert float(torch.dot(z, g_local)) == pytest.approx(0.0)  # the constraint of Eq. 10 is tight
+    torch.testing.assert_close(alleviate(g_local, g_in, "projection"), torch.tensor([1.0, 1.0]))  # g_local + z
 
 
 def test_projection_keeps_g_in_when_gradients_agree():
     g_local, g_in = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 3.0])  # b = 2 >= 0
-    torch.testing.assert_close(alleviate(g_local, g_in, "projection"), g_in)
+    torch.testing.assert_close(project_conflict(g_local, g_in), g_in)
+    torch.testing.assert_close(alleviate(g_local, g_in, "projection"), torch.tensor([3.0, 3.0]))
 
 
 def test_simplified_update_is_g_in_plus_half_lambda_g_local():

@@ -13,13 +13,22 @@ Every zoo classifier is ``extractor -> intermediate -> head``. A FedIN client
    and the head's input for ``pair_batch`` of its training samples, computed with the weights it
    uploads (in eval mode, so the pairs and the weights describe the same model).
 
-``Z`` is the intermediate layers' whole update, as in the paper: Eq. 14 is
-``Z = G_IN + (lambda/2) G_local`` with lambda fixed at 1, Eq. 13 is the same form with the
-optimal multiplier (0 when the gradients agree, ``-2b/a`` when they conflict), which removes
-from ``G_IN`` only its component against ``G_local``. The inner products run over all
-intermediate parameters as one vector (one constraint, as the trace form of Eq. 10 reads).
-``alleviation = "none"`` is the paper's "w/o Opt" ablation: a normal local step on the whole
-model, then a separate IN step on the intermediate layers.
+How the two gradients combine on the intermediate layers:
+
+* ``"simplified"`` (default, the paper's training choice): the update is Eq. 14,
+  ``Z = G_IN + (lambda/2) G_local`` with lambda = 1, used directly ("the client models are
+  optimized by Eq. 14 directly");
+* ``"projection"``: Eq. 13's exact solution ``Z`` (``G_IN`` when ``b = <G_local, G_IN> >= 0``,
+  else ``G_IN - (b/a) G_local``: the IN gradient with its component against the local gradient
+  removed) is added to the local gradient, ``G_local + Z``, the usual gradient-surgery reading.
+  Taken literally as the whole update, Eq. 13 leaves the local gradient out of the intermediate
+  layers whenever the two agree; on Fashion-MNIST (Dirichlet 0.5, docs/benchmarks.md) that
+  reading collapsed to 35 % accuracy, so edgefl does not use it;
+* ``"none"``: the paper's "w/o Opt" ablation: a normal local step on the whole model, then a
+  separate IN step on the intermediate layers.
+
+The inner products run over all intermediate parameters as one vector (one constraint, as the
+trace form of Eq. 10 reads).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ class FedINOptions(MethodOptions):
     in_training: bool = Field(True, description="train the intermediate layers on the server's feature pairs (Eq. 8); false = 'w/o IN'")
     mu_half: float = Field(0.05, ge=0, description="mu/2 of the proximal term (Eq. 4); 0 = 'w/o Prox' (and FedAvg when in_training is off)")
     alleviation: Literal["simplified", "projection", "none"] = Field(
-        "simplified", description="Eq. 14 (the paper's training choice), Eq. 13 exactly, or none ('w/o Opt': sequential steps)"
+        "simplified", description="Eq. 14 (the paper's training choice), G_local + Eq. 13's projected G_IN, or none ('w/o Opt': sequential steps)"
     )
     lam: float = Field(1.0, ge=0, description="lambda of Eq. 14")
     pair_batch: int = Field(16, ge=1, le=1024, description="feature pairs a client uploads and the server sends back (|S|)")
@@ -59,21 +68,24 @@ def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def alleviate(g_local: torch.Tensor, g_in: torch.Tensor, mode: str, lam: float = 1.0) -> torch.Tensor:
-    """The intermediate layers' update from the local and IN gradients (flattened vectors).
+def project_conflict(g_local: torch.Tensor, g_in: torch.Tensor) -> torch.Tensor:
+    """Eq. 13 exactly: ``G_IN`` if ``b = <G_local, G_IN> >= 0``, else ``G_IN - (b / a) G_local``
+    with ``a = <G_local, G_local>`` (the closest vector to ``G_IN`` not against ``G_local``)."""
+    b = torch.dot(g_local, g_in)
+    a = torch.dot(g_local, g_local)
+    if b >= 0 or a == 0:
+        return g_in.clone()
+    return g_in - (b / a) * g_local
 
-    * ``"projection"`` (Eq. 13): ``G_IN`` if ``b = <G_local, G_IN> >= 0``, else
-      ``G_IN - (b / a) G_local`` with ``a = <G_local, G_local>``;
-    * ``"simplified"`` (Eq. 14): ``G_IN + (lam / 2) G_local``.
-    """
+
+def alleviate(g_local: torch.Tensor, g_in: torch.Tensor, mode: str, lam: float = 1.0) -> torch.Tensor:
+    """The intermediate layers' update from the local and IN gradients (flattened vectors):
+    ``"simplified"`` = Eq. 14, ``G_IN + (lam / 2) G_local``; ``"projection"`` =
+    ``G_local + project_conflict(G_local, G_IN)`` (Eq. 13's Z added to the local gradient)."""
     if mode == "simplified":
         return g_in + (lam / 2.0) * g_local
     if mode == "projection":
-        b = torch.dot(g_local, g_in)
-        a = torch.dot(g_local, g_local)
-        if b >= 0 or a == 0:
-            return g_in.clone()
-        return g_in - (b / a) * g_local
+        return g_local + project_conflict(g_local, g_in)
     raise ValueError(f"alleviation {mode!r} has no single update; 'none' takes two sequential steps")
 
 
