@@ -78,6 +78,8 @@ def test_interrupt_keeps_what_ran(tmp_path):
     proc = subprocess.Popen(
         [EDGEFL, "simulate", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "rounds=500", "--out", str(out), "-q"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a test runner started in the background inherits SIGINT ignored; a user's terminal does not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 120
     while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
