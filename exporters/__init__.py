@@ -11,14 +11,29 @@ extra and are imported only when a format needs them::
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edgefl.exporters.export import ExportedFile, export_model
-from edgefl.exporters.metadata import read_sidecar, sha256_file
-from edgefl.exporters.onnx_export import ExportError
-from edgefl.exporters.parity import ATOL, RTOL, Parity, ParityError, check_parity
-from edgefl.exporters.source import ExportSourceError, ModelSource, from_module, load_weights_file, sources_from_path
+# Names resolve on first use (PEP 562): importing edgefl.exporters stays cheap and works where
+# torch and the export extra are not installed (a device's light install, the packaging test).
+_LAZY = {
+    "ExportedFile": "export", "export_model": "export",
+    "read_sidecar": "metadata", "sha256_file": "metadata",
+    "ExportError": "onnx_export",
+    "ATOL": "parity", "RTOL": "parity", "Parity": "parity", "ParityError": "parity", "check_parity": "parity",
+    "ExportSourceError": "source", "ModelSource": "source", "from_module": "source", "load_weights_file": "source",
+    "sources_from_path": "source",
+}
+
+if TYPE_CHECKING:
+    from edgefl.exporters.export import ExportedFile
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"edgefl.exporters.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'edgefl.exporters' has no attribute {name!r}")
 
 
 def export_path(path: str | Path, out_dir: str | Path | None = None, *, model: str | None = None, select: str | None = None,
@@ -27,6 +42,9 @@ def export_path(path: str | Path, out_dir: str | Path | None = None, *, model: s
 
     ``out_dir`` defaults to ``RUN_DIR/export`` (or next to the weights file).
     """
+    from edgefl.exporters.export import export_model
+    from edgefl.exporters.source import sources_from_path
+
     path = Path(path)
     sources = sources_from_path(path, model=model, select=select)
     if out_dir is None:
@@ -37,8 +55,4 @@ def export_path(path: str | Path, out_dir: str | Path | None = None, *, model: s
     return files
 
 
-__all__ = [
-    "ATOL", "RTOL", "ExportError", "ExportSourceError", "ExportedFile", "ModelSource", "Parity", "ParityError",
-    "check_parity", "export_model", "export_path", "from_module", "load_weights_file", "read_sidecar", "sha256_file",
-    "sources_from_path",
-]
+__all__ = [*_LAZY, "export_path"]
