@@ -4,16 +4,18 @@ For every zoo classifier and generator (reduced widths where full width would ta
 step on 2 cores; the width is part of the model's name in the table), each measured in its own
 child process by ``edgefl device-profile``'s code:
 
-* step time: predicted ``3 x forward FLOPs x batch / effective GFLOP/s`` against the median of
-  ``--steps`` timed training steps;
-* peak training memory: predicted ``params x 16 + activations x batch`` (Adam) against the
-  child's peak RSS minus its RSS before the model was built.
+* step time against the median of ``--steps`` timed training steps;
+* peak training memory against the child's peak RSS minus its RSS before the model was built.
 
-Two versions of the model are compared side by side: *naive* (one effective GFLOP/s, the
-median over the models, and no overhead terms) and *calibrated* (``edgefl device-profile``'s
-fit: a per-layer step overhead plus arithmetic throughput, and a constant memory overhead),
-calibrated on the seven models ``edgefl device-profile`` measures by default and evaluated on
-every model. Prints the error per model; the target is within 25 % for both.
+Three versions of the cost model side by side: *naive* (``3 x forward FLOPs x batch`` at one
+effective GFLOP/s, the median over the models; ``params x 16 + activations x batch`` for Adam),
+*two_term* (the earlier fit: per-layer overhead + arithmetic; a constant memory overhead) and
+*full* (``edgefl device-profile``'s current fit: per-layer, per-FLOP, per-parameter and
+per-activation-byte step costs; activations scaled by a fitted factor plus a constant memory
+overhead). The fits are calibrated on the models ``edgefl device-profile`` measures by default
+(those of them this benchmark measures with the same options) and evaluated on every model.
+``--from-results FILE`` re-evaluates saved measurements without measuring again. The target is
+within 25 % for both.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def main() -> None:
     print(f"two-term fit on {len(calibration)} models: {two_term.effective_gflops:.2f} GFLOP/s, {two_term.layer_overhead_us:.1f} us/layer, "
           f"{two_term.memory_overhead_bytes / 2**20:.1f} MiB")
     print(f"full fit on {len(calibration)} models: {fit.effective_gflops:.2f} GFLOP/s, {fit.layer_overhead_us:.1f} us/layer, "
-          f"{fit.param_overhead_ns:.3f} ns/param, activations x{fit.activation_factor:.2f} + {fit.memory_overhead_bytes / 2**20:.1f} MiB\n")
+          f"{fit.param_overhead_ns:.3f} ns/param, {fit.activation_ns_per_byte:.4f} ns/activation byte; memory: activations "
+          f"x{fit.activation_factor:.2f} + {fit.memory_overhead_bytes / 2**20:.1f} MiB\n")
     keys = ("naive", "two_term", "full")
     print(f"{'model':28s} {'step':>9s} " + " ".join(f"{k:>8s}" for k in keys) + f" {'memory':>9s} " + " ".join(f"{k:>8s}" for k in keys))
     within = {f"{what}_{k}": 0 for what in ("time", "memory") for k in keys}
@@ -87,7 +90,7 @@ def main() -> None:
         work = 3 * r["flops"] * batch
         r["step_naive"] = work / (effective * 1e9)
         r["step_two_term"] = r["layers"] * two_term.layer_overhead_us * 1e-6 + work / (two_term.effective_gflops * 1e9)
-        r["step_full"] = fit.step_seconds(r["flops"], batch, r["layers"], r["params"])
+        r["step_full"] = fit.step_seconds(r["flops"], batch, r["layers"], r["params"], r["activation_bytes"])
         r["memory_two_term"] = r["memory_naive"] + two_term.memory_overhead_bytes
         r["memory_full"] = fit.memory_bytes(r["params"], 8, r["activation_bytes"], batch)
         for key in keys:

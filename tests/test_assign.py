@@ -120,15 +120,16 @@ def test_full_step_model_fit_recovers_per_parameter_cost_and_activation_factor()
 
     def row(layers, flops, params, act):
         return {"layers": layers, "flops": flops, "params": params, "activation_bytes": act, "batch": 32,
-                "step_s": layers * 40e-6 + 3 * flops * 32 / 25e9 + params * 2e-9,
+                "step_s": layers * 40e-6 + 3 * flops * 32 / 25e9 + params * 2e-9 + act * 32 * 0.5e-9,
                 "memory_measured": params * 16 + 1.5 * act * 32 + 8e6}
 
-    rows = [row(10, 1e6, 5e4, 2e4), row(60, 5e7, 1e6, 4e5), row(30, 2e8, 3e5, 1e6), row(20, 3e7, 5e7, 1e5)]
+    rows = [row(10, 1e6, 5e4, 2e4), row(60, 5e7, 1e6, 4e5), row(30, 2e8, 3e5, 1e6), row(20, 3e7, 5e7, 1e5), row(8, 4e6, 2e4, 3e6)]
     fit = fit_step_model(rows)
     assert fit.effective_gflops == pytest.approx(25, rel=1e-4)
     assert fit.layer_overhead_us == pytest.approx(40, rel=1e-4)
     assert fit.param_overhead_ns == pytest.approx(2, rel=1e-4)
+    assert fit.activation_ns_per_byte == pytest.approx(0.5, rel=1e-4)
     assert fit.activation_factor == pytest.approx(1.5, rel=1e-4)
     assert fit.memory_overhead_bytes == pytest.approx(8e6, rel=1e-4)
     r = rows[3]
-    assert fit.step_seconds(r["flops"], 32, r["layers"], r["params"]) == pytest.approx(r["step_s"], rel=1e-6)
+    assert fit.step_seconds(r["flops"], 32, r["layers"], r["params"], r["activation_bytes"]) == pytest.approx(r["step_s"], rel=1e-6)

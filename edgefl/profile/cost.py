@@ -70,38 +70,62 @@ def freeze(options: dict) -> tuple:
 
 def compute_seconds(
     profile: DeviceProfile, flops_per_sample: int, samples: int, layers: int | None = None, batch: int | None = None,
-    params: int | None = None,
+    params: int | None = None, activation_bytes: int | None = None,
 ) -> float | None:
-    """Training time for ``samples`` at the profile's effective speed (None when unknown), plus,
-    when the profile knows them, the per-layer and per-parameter costs of every step."""
-    speed = profile.compute.effective_gflops
+    """Training time for ``samples``; None when the profile's speed is unknown.
+
+    A measured profile with the full fit (``compute.fitted_gflops`` known) uses it:
+    steps x (layers x o + params x p + activation bytes x batch x q) + 3 x FLOPs x samples / fitted
+    speed. Otherwise ``3 x FLOPs x samples / effective GFLOP/s`` plus whichever per-layer and
+    per-parameter costs the profile knows."""
+    c = profile.compute
+    steps = -(-samples // batch) if batch else 0
+    fitted = c.fitted_gflops
+    if fitted.known and batch and layers is not None and params is not None and activation_bytes is not None:
+        arithmetic = 3 * flops_per_sample * samples / (fitted.value * 1e9) if fitted.value else 0.0
+        per_step = (layers * _value(c.layer_overhead_us) * 1e-6 + params * _value(c.param_overhead_ns) * 1e-9
+                    + activation_bytes * batch * _value(c.activation_ns_per_byte) * 1e-9)
+        return arithmetic + steps * per_step
+    speed = c.effective_gflops
     if not speed.known or not speed.value:
         return None
     t = 3 * flops_per_sample * samples / (speed.value * 1e9)
     if batch:
-        steps = -(-samples // batch)
-        overhead = profile.compute.layer_overhead_us
-        if overhead.known and layers:
-            t += steps * layers * overhead.value * 1e-6
-        per_param = profile.compute.param_overhead_ns
-        if per_param.known and params:
-            t += steps * params * per_param.value * 1e-9
+        if c.layer_overhead_us.known and layers:
+            t += steps * layers * c.layer_overhead_us.value * 1e-6
+        if c.param_overhead_ns.known and params:
+            t += steps * params * c.param_overhead_ns.value * 1e-9
     return t
+
+
+def _value(q) -> float:
+    return float(q.value) if q.known and q.value is not None else 0.0
 
 
 @dataclass(frozen=True)
 class StepFit:
-    """A host's training cost as a few numbers: arithmetic throughput, per-layer and per-parameter
-    step costs, and how much memory activations really take and what comes on top."""
+    """A host's training cost fitted from measured steps::
+
+        step = layers x o + 3 x FLOPs x batch x f + params x p + activation bytes x batch x q
+        memory = params x (8 + optimizer) + k x activation bytes x batch + overhead
+
+    ``o`` is dispatch per layer, ``f`` the time per FLOP (``effective_gflops`` = 1 / f), ``p``
+    streaming weights, gradients and optimizer state through memory, ``q`` moving activations
+    (batch norm, ReLU, pooling and small convolutions are bound by memory traffic, not arithmetic,
+    on a CPU). A term the data do not support fits to zero.
+    """
 
     effective_gflops: float
     layer_overhead_us: float
     memory_overhead_bytes: float
     param_overhead_ns: float = 0.0
     activation_factor: float = 1.0
+    activation_ns_per_byte: float = 0.0
 
-    def step_seconds(self, flops: float, batch: int, layers: int, params: int) -> float:
-        return layers * self.layer_overhead_us * 1e-6 + 3 * flops * batch / (self.effective_gflops * 1e9) + params * self.param_overhead_ns * 1e-9
+    def step_seconds(self, flops: float, batch: int, layers: int, params: int, activation_bytes: float = 0.0) -> float:
+        arithmetic = 3 * flops * batch / (self.effective_gflops * 1e9) if self.effective_gflops != float("inf") else 0.0
+        return (layers * self.layer_overhead_us * 1e-6 + arithmetic + params * self.param_overhead_ns * 1e-9
+                + activation_bytes * batch * self.activation_ns_per_byte * 1e-9)
 
     def memory_bytes(self, params: int, optimizer_bytes: int, activation_bytes: float, batch: int) -> float:
         return params * (8 + optimizer_bytes) + self.activation_factor * activation_bytes * batch + self.memory_overhead_bytes
@@ -121,31 +145,30 @@ def _nonnegative_lstsq(a, b):
 
 
 def fit_step_model(rows: list[dict]) -> StepFit:
-    """Fit the host terms from measured rows (keys: flops, batch, layers, params, step_s,
-    memory_measured, activation_bytes; rows without params/activation_bytes fit the older
-    two-term model). Time: ``step = layers x o + 3 x FLOPs x batch / speed + params x p``.
-    Memory: ``measured - params x 16 = k x activations x batch + overhead``. Both weight each row by
-    1 / its size, so relative errors count and small models weigh as much as big ones."""
+    """Fit the host terms from measured rows (keys: flops, batch, layers, step_s, memory_measured,
+    and params + activation_bytes for the full model; rows without them fit the older two-term
+    model: layers and FLOPs, and the median memory the naive model misses). Both fits weight each
+    row by 1 / its size, so relative errors count and small models weigh as much as big ones."""
     import numpy as np
 
-    full = all("params" in r for r in rows)
-    cols = [[r["layers"], 3 * r["flops"] * r["batch"]] + ([r["params"]] if full else []) for r in rows]
+    full = all("params" in r and "activation_bytes" in r for r in rows)
+    cols = [[r["layers"], 3 * r["flops"] * r["batch"]] + ([r["params"], r["activation_bytes"] * r["batch"]] if full else [])
+            for r in rows]
     a = np.array(cols, dtype=float)
     t = np.array([r["step_s"] for r in rows], dtype=float)
     w = 1 / t
     scale = a.max(0)
     scale[scale == 0] = 1
     coef = _nonnegative_lstsq((a / scale) * w[:, None], t * w) / scale
-    overhead_s, inv_speed = coef[0], max(coef[1], 1e-15)
-    per_param_s = coef[2] if full else 0.0
-    if all("activation_bytes" in r and "params" in r for r in rows):
-        m = np.array([r["memory_measured"] - r["params"] * 16 for r in rows], dtype=float)
-        am = np.array([[r["activation_bytes"] * r["batch"], 1.0] for r in rows])
-        wm = 1 / np.array([r["memory_measured"] for r in rows], dtype=float)
-        k, base = _nonnegative_lstsq(am * wm[:, None] / am.max(0), m * wm) / am.max(0)
-        return StepFit(1 / inv_speed / 1e9, overhead_s * 1e6, float(base), per_param_s * 1e9, float(k))
-    mem = float(np.median([r["memory_measured"] - r["memory_naive"] for r in rows]))
-    return StepFit(1 / inv_speed / 1e9, overhead_s * 1e6, max(mem, 0.0), per_param_s * 1e9)
+    speed = 1 / coef[1] / 1e9 if coef[1] > 0 else float("inf")
+    if not full:
+        mem = float(np.median([r["memory_measured"] - r["memory_naive"] for r in rows]))
+        return StepFit(speed, coef[0] * 1e6, max(mem, 0.0))
+    m = np.array([r["memory_measured"] - r["params"] * 16 for r in rows], dtype=float)
+    am = np.array([[r["activation_bytes"] * r["batch"], 1.0] for r in rows])
+    wm = 1 / np.array([r["memory_measured"] for r in rows], dtype=float)
+    k, base = _nonnegative_lstsq(am * wm[:, None] / am.max(0), m * wm) / am.max(0)
+    return StepFit(speed, coef[0] * 1e6, float(base), coef[2] * 1e9, float(k), coef[3] * 1e9)
 
 
 def transfer_seconds(profile: DeviceProfile, up_bytes: int, down_bytes: int) -> float | None:
@@ -200,7 +223,7 @@ def estimate(
     compute_s = transfer_s = None
     if profile is not None:
         layers = layer_count(name, frozen, tuple(input_shape), num_classes)
-        compute_s = compute_seconds(profile, info.flops_per_sample, samples * epochs, layers, batch, info.params)
+        compute_s = compute_seconds(profile, info.flops_per_sample, samples * epochs, layers, batch, info.params, act)
         payload = info.params * 4 if upload_bytes is None else upload_bytes
         transfer_s = transfer_seconds(profile, payload, info.params * 4)
     return CostEstimate(name, frozen, info.kind, info.params, info.flops_per_sample, int(memory), info.params * 4, compute_s, transfer_s)

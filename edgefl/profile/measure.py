@@ -210,12 +210,11 @@ def profile_host(
     speed_source = f"median over {len(ok)} zoo models of 3 x forward FLOPs x batch / train-step time"
     fit = fit_host(ok, batch, input_shape) if len(ok) >= 3 else None
     if fit is not None:
-        details["fit"] = {"effective_gflops": fit.effective_gflops, "layer_overhead_us": fit.layer_overhead_us,
-                          "param_overhead_ns": fit.param_overhead_ns, "memory_overhead_bytes": fit.memory_overhead_bytes,
-                          "activation_factor": fit.activation_factor}
-        effective = fit.effective_gflops
-        speed_source = (f"non-negative least-squares fit over {len(ok)} zoo models of "
-                        "step = layers x overhead + 3 x FLOPs x batch / speed + params x per-parameter cost")
+        details["fit"] = {"fitted_gflops": fit.effective_gflops, "layer_overhead_us": fit.layer_overhead_us,
+                          "param_overhead_ns": fit.param_overhead_ns, "activation_ns_per_byte": fit.activation_ns_per_byte,
+                          "memory_overhead_bytes": fit.memory_overhead_bytes, "activation_factor": fit.activation_factor}
+    fit_source = (f"non-negative least-squares fit over {len(ok)} zoo models of step = layers x o + 3 x FLOPs x batch / speed "
+                  "+ params x p + activation bytes x batch x q")
     memory_source = (f"fit over {len(ok)} zoo models of peak training memory - params x 16 "
                      "= activation factor x leaf-output bytes x batch + overhead")
     if broker:
@@ -246,8 +245,11 @@ def profile_host(
                    "storage_bytes": _measured(free_disk, f"shutil.disk_usage({runs_dir})")},
         "compute": {"matmul_gflops": _measured(round(mm, 2), f"torch.mm {matmul_n}x{matmul_n} fp32 on {device.type}"),
                     "effective_gflops": _measured(round(effective, 3) if effective else None, speed_source),
-                    "layer_overhead_us": _measured(round(fit.layer_overhead_us, 2) if fit else None, speed_source),
-                    "param_overhead_ns": _measured(round(fit.param_overhead_ns, 4) if fit else None, speed_source)},
+                    "layer_overhead_us": _measured(round(fit.layer_overhead_us, 2) if fit else None, fit_source),
+                    "param_overhead_ns": _measured(round(fit.param_overhead_ns, 4) if fit else None, fit_source),
+                    "activation_ns_per_byte": _measured(round(fit.activation_ns_per_byte, 5) if fit else None, fit_source),
+                    "fitted_gflops": _measured((0.0 if fit.effective_gflops == float("inf") else round(fit.effective_gflops, 3)) if fit else None,
+                                               fit_source + " (0: no arithmetic term, the host is bound by memory traffic)")},
         "accelerator": accel,
         "runtimes": {"trains_with": ["pytorch"], "runs": ["pytorch"]},
     }

@@ -84,6 +84,8 @@ class Compute(_Strict):
     int8_gops: Quantity = Field(default_factory=_unknown)
     layer_overhead_us: Quantity = Field(default_factory=_unknown, description="per-layer, per-step dispatch cost of a training step")
     param_overhead_ns: Quantity = Field(default_factory=_unknown, description="per-parameter, per-step cost (gradients, optimizer update: memory traffic)")
+    activation_ns_per_byte: Quantity = Field(default_factory=_unknown, description="per byte of leaf-module output per step (memory-bound layers)")
+    fitted_gflops: Quantity = Field(default_factory=_unknown, description="arithmetic rate of the full step fit (0: memory-bound, no separate arithmetic term)")
 
 
 class Accelerator(_Strict):
