@@ -46,7 +46,10 @@ setup_venv() {
     # Pin torch first: an unpinned resolve could pull a newer multi-GB build.
     "${pip[@]}" "torch==${EDGEFL_TORCH:-2.14.1}" "torchvision==${EDGEFL_TORCHVISION:-0.29.1}" 2>&1 | grep -v "is ignored" >&2 || true
     "$VENV/bin/python" -c "import torch, torchvision" || { echo "error: torch did not install" >&2; exit 1; }
-    "${pip[@]}" -e ".[test]" 2>&1 | grep -v "is ignored" >&2 || true
+    # ... and keep it pinned while the extras resolve (an export dependency could pull another torch)
+    "${pip[@]}" -e ".[test]" "torch==${EDGEFL_TORCH:-2.14.1}" "torchvision==${EDGEFL_TORCHVISION:-0.29.1}" 2>&1 | grep -v "is ignored" >&2 || true
+    "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${EDGEFL_TORCH:-2.14.1}')" \
+        || { echo "error: the extras replaced the pinned torch" >&2; exit 1; }
     "$VENV/bin/python" -c "import edgefl.server, edgefl.exporters" || { echo "error: edgefl did not install" >&2; exit 1; }
     echo "$want" > "$stamp"
 }
