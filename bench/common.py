@@ -49,3 +49,25 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def plot_curves(curves: dict[str, tuple[list, list]], title: str, ylabel: str, out: Path, highlight: str | None = None) -> Path:
+    """One accuracy-per-round figure: a line per label, the highlighted one thicker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, (xs, ys) in curves.items():
+        ax.plot(xs, ys, label=label, lw=2.2 if label.split(" ")[0] == highlight else 1.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, load, run_config, save
+from common import load, plot_curves, run_config, save
 
 DEPTHS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
 
@@ -119,28 +119,15 @@ def merge(paths: list[str], targets: list[float], plot_dir: Path | None) -> None
                   + f" {mine[0]['bytes_up'] / n_rounds / 1e6:11.2f}"
                   + (f"   ({len(mine)} seeds)" if len(mine) > 1 else ""))
     if plot_dir is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        plot_dir.mkdir(parents=True, exist_ok=True)
         for partition in partitions:
-            fig, ax = plt.subplots(figsize=(7, 4.2))
+            curves = {}
             for v in variants:
                 mine = [r for r in runs if r["variant"] == v and r["partition"] == partition and r["seed"] == runs[0]["seed"]]
                 if mine:
                     xs, ys = zip(*mine[0]["curve"])
-                    ax.plot(xs, ys, label=v, lw=2.2 if v == "fedin" else 1.2)
-            ax.set_xlabel("round")
-            ax.set_ylabel("test accuracy (mean of the 5 depths)")
-            ax.set_title(f"FedIN and baselines, Fashion-MNIST, {partition}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            out = plot_dir / f"fedin-{partition}.png"
-            fig.tight_layout()
-            fig.savefig(out, dpi=110)
-            plt.close(fig)
+                    curves[v] = (list(xs), list(ys))
+            out = plot_curves(curves, f"FedIN and baselines, Fashion-MNIST, {partition}", "test accuracy (mean of the 5 depths)",
+                              plot_dir / f"fedin-{partition}.png", highlight="fedin")
             print(f"wrote {out}")
 
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import load, mean_std, run_config, save
+from common import load, mean_std, plot_curves, run_config, save
 
 DEPTHS = {"set1": ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26"),
           "extreme": ("resnet10", "resnet18", "resnet26", "resnet34", "resnet50"),
@@ -102,31 +102,17 @@ def merge(paths: list[str], plot_dir: Path | None) -> None:
                       + (f"  CVAE {statistics.fmean(cv):.2f} s/round" if cv else ""))
     if plot_dir is None:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plot_dir.mkdir(parents=True, exist_ok=True)
     for partition in dict.fromkeys(r["partition"] for r in runs):
         rows = [r for r in runs if r["table"] == 1 and r["partition"] == partition]
         if not rows:
             continue
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        curves = {}
         for method in dict.fromkeys(r["method"] for r in rows):
-            curves = [r["curve"] for r in rows if r["method"] == method]
-            xs = [x for x, _ in curves[0]]
-            ys = [statistics.fmean(c[i][1] for c in curves) for i in range(len(xs))]
-            ax.plot(xs, ys, label=f"{method} ({len(curves)} seeds)", lw=2.2 if method == "velo" else 1.2)
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (mean over devices)")
-        ax.set_title(f"Felo/Velo and baselines, ResNet10-26, Fashion-MNIST, {partition}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        out = plot_dir / f"felo-velo-{partition}.png"
-        fig.tight_layout()
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
+            mine = [r["curve"] for r in rows if r["method"] == method]
+            xs = [x for x, _ in mine[0]]
+            curves[f"{method} ({len(mine)} seeds)"] = (xs, [statistics.fmean(c[i][1] for c in mine) for i in range(len(xs))])
+        out = plot_curves(curves, f"Felo/Velo and baselines, ResNet10-26, Fashion-MNIST, {partition}",
+                          "test accuracy (mean over devices)", plot_dir / f"felo-velo-{partition}.png", highlight="velo")
         print(f"wrote {out}")
 
 
