@@ -84,11 +84,10 @@ def export(
 def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset) -> None:
     from rich.table import Table
 
-    from edgefl.exporters import export_model, sources_from_path
+    from edgefl.exporters import default_out_dir, export_model, sources_from_path
 
     sources = sources_from_path(source, model=model, select=select)
-    if out_dir is None:
-        out_dir = source / "export" if source.is_dir() else source.parent / "export"
+    out_dir = default_out_dir(source) if out_dir is None else out_dir
     ds = None
     if dataset:
         from edgefl.data import load_dataset

@@ -36,6 +36,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'edgefl.exporters' has no attribute {name!r}")
 
 
+def default_out_dir(path: str | Path) -> Path:
+    """Where exports go by default: RUN_DIR/export, or export/ next to a weights file."""
+    path = Path(path)
+    return path / "export" if path.is_dir() else path.parent / "export"
+
+
 def export_path(path: str | Path, out_dir: str | Path | None = None, *, model: str | None = None, select: str | None = None,
                 **kwargs: Any) -> list[ExportedFile]:
     """Export a run directory's models (its global models when it has them) or one weights file.
@@ -47,12 +53,11 @@ def export_path(path: str | Path, out_dir: str | Path | None = None, *, model: s
 
     path = Path(path)
     sources = sources_from_path(path, model=model, select=select)
-    if out_dir is None:
-        out_dir = path / "export" if path.is_dir() else path.parent / "export"
+    out_dir = default_out_dir(path) if out_dir is None else out_dir
     files: list[ExportedFile] = []
     for src in sources:
         files += export_model(src, out_dir, **kwargs)
     return files
 
 
-__all__ = [*_LAZY, "export_path"]
+__all__ = [*_LAZY, "default_out_dir", "export_path"]

@@ -35,7 +35,7 @@ import torch
 from edgefl.algorithms.fedin import PAIRS_PREFIX, split_pairs
 from edgefl.messages import Message
 from edgefl.seeding import generator
-from edgefl.server.methods.base import Receipt, ServerHalf, state_mismatch
+from edgefl.server.methods.base import Receipt, ServerHalf
 
 Signature = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -129,9 +129,6 @@ class FedINServer(ServerHalf):
             return Receipt("rejected", f"expected 1..{self.options.pair_batch} pairs, got {len(s_in)} inputs and {len(s_out)} outputs")
         if not (s_in.is_floating_point() and s_out.is_floating_point()) or not bool(torch.isfinite(s_in).all() and torch.isfinite(s_out).all()):
             return Receipt("rejected", "feature pairs must be finite floats")
-        problem = state_mismatch(weights, self.arch_weights[arch], "weights")
-        if problem:
-            return Receipt("rejected", problem)
         without_pairs = Message(message.kind, message.round, message.sender, weights, message.meta, message.message_id)
         receipt = self.hold_update(without_pairs, self.arch_weights[arch], "weights")
         if receipt.status == "accepted":

@@ -28,7 +28,7 @@ import torch
 from edgefl.algorithms.felo import KNOWLEDGE
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed, generator
-from edgefl.server.methods.base import Receipt, ServerHalf, state_mismatch
+from edgefl.server.methods.base import Receipt, ServerHalf
 from edgefl.server.methods.fedavg import weighted_average
 from edgefl.server.methods.feature_cvae import FeatureCVAE, train_feature_cvae
 
@@ -99,22 +99,15 @@ class FeloServer(ServerHalf):
             return Receipt("rejected", "features and logits must be finite floats")
         if bool((counts <= 0).any()):
             return Receipt("rejected", "counts must be positive")
+        # the shared synchronous checks (round, weights' names/shapes/finiteness, counts, one per round)
+        # see the weights alone; what is held is the whole message, knowledge included
         weights = {n: v for n, v in t.items() if not n.startswith(KNOWLEDGE)}
         arch = self.clients[message.sender].arch
-        problem = state_mismatch(weights, self.group_weights[arch], "weights")
-        if problem:
-            return Receipt("rejected", problem)
-        return self._hold(message)
-
-    def _hold(self, message: Message) -> Receipt:
-        if message.round != self.round:
-            return Receipt("late", f"round {message.round} closed; only the current round's knowledge is used")
-        if message.num_samples <= 0:
-            return Receipt("rejected", "num_samples must be positive")
-        if message.sender in self.pending:
-            return Receipt("rejected", "one upload per device per round")
-        self.pending[message.sender] = message
-        return Receipt("accepted")
+        receipt = self.hold_update(Message(message.kind, message.round, message.sender, weights, message.meta, message.message_id),
+                                   self.group_weights[arch], "weights")
+        if receipt.status == "accepted":
+            self.pending[message.sender] = message
+        return receipt
 
     def close_round(self, round: int) -> dict[str, Any]:
         senders = sorted(self.pending)  # fixed order: results do not depend on arrival order
