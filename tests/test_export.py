@@ -193,3 +193,14 @@ def test_unsupported_op_is_a_clear_error_and_leaves_no_file(fmnist, tmp_path):
         export_model(src, tmp_path, formats=("tflite",), test_samples=16, dataset=fmnist)
     assert "could not convert" in str(info.value) or "parity" in str(info.value).lower()
     assert not list(tmp_path.glob("*.tflite"))
+
+
+def test_unknown_format_and_bad_batch_are_clear_errors(fmnist, tmp_path):
+    from edgefl.exporters import ExportError
+
+    src = zoo_source("cnn-small", fmnist)
+    with pytest.raises(ExportError, match="unknown export format"):
+        export_model(src, tmp_path, formats=("onnx", "coreml"), dataset=fmnist)
+    with pytest.raises(ExportError, match="--batch must be at least 1"):
+        export_model(src, tmp_path, batch=0, dataset=fmnist)
+    assert not list(tmp_path.iterdir())
