@@ -54,6 +54,11 @@ class ClientHalf:
         self.last_train_samples = 0  # samples processed in the last fit (the virtual clock's input)
 
     @property
+    def judged(self) -> bool:
+        """Whether this device holds a classifier worth evaluating (a generator client does not)."""
+        return True
+
+    @property
     def client_id(self) -> str:
         return self.setup.client_id
 

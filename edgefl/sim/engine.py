@@ -15,8 +15,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgefl.algorithms import ClientHalf
+from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import RunConfig
 from edgefl.data import Dataset, load_dataset
+from edgefl.errors import ConfigError
 from edgefl.environment import machine, package_versions
 from edgefl.messages import Message, decode, encode
 from edgefl.rundir import RunDir
@@ -104,6 +106,8 @@ class Simulation:
         check_models_fit(cfg, self.ds, self.slots)
         self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
         self.server = build_server(cfg, self.ds, self.slots)
+        if self.server.one_shot and cfg.rounds != 1:
+            raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round (rounds = {cfg.rounds})", hint="set rounds = 1")
         self.slot_of = {s.client_id: s for s in self.slots}
         self.x_test, self.y_test = test_subset(cfg, self.ds)
         self.history: list[dict[str, Any]] = []
@@ -174,14 +178,19 @@ class Simulation:
     def evaluate(self, r: int) -> dict[str, Any]:
         """Accuracy of the model each device would use now, on the shared test set.
 
-        Methods whose server holds global models (FedAvg) are judged by those: each device
-        receives its group's model; knowledge methods are judged by each device's own model.
+        Methods whose server holds global models (FedAvg, FedMHO) are judged by those: each device
+        of a global architecture receives it; knowledge methods are judged by each device's own
+        model. Devices without a classifier (FedMHO's generator clients) are not judged, and a
+        global model no device runs (FedCVAE-Ens) is judged by the server's copy.
         """
-        holds_globals = bool(self.server.global_models())
+        globals_ = self.server.global_models()
+        holds_globals = bool(globals_)
         per_client: dict[str, float] = {}
         cache: dict[str, float] = {}
         for cid, client in self.clients.items():
             arch = client.setup.arch
+            if not client.judged or (holds_globals and arch not in globals_):
+                continue
             # a shared group model scores the same for every member, unless members see the
             # data differently (own view or own test split)
             personal = client.setup.view is not None or client.setup.x_test is not None
@@ -198,8 +207,14 @@ class Simulation:
         per_arch: dict[str, list[float]] = {}
         for cid, acc in per_client.items():
             per_arch.setdefault(self.clients[cid].setup.arch, []).append(acc)
+        for arch, state in globals_.items():
+            if arch not in per_arch:
+                model = self.server.build_global(arch)
+                model.load_state_dict(state)
+                per_arch[arch] = [evaluate_accuracy(model, self.x_test, self.y_test, self.cfg.eval.batch_size)]
+        scores = list(per_client.values()) or [v[0] for v in per_arch.values()]
         return {
-            "overall": statistics.fmean(per_client.values()),
+            "overall": statistics.fmean(scores) if scores else None,
             "per_arch": {a: statistics.fmean(v) for a, v in per_arch.items()},
             "per_client": per_client,
         }
@@ -254,7 +269,7 @@ class Simulation:
         return summary
 
     def _summary(self, start_record: dict[str, Any], wall: float) -> dict[str, Any]:
-        evaluated = [h for h in self.history if h["accuracy"] is not None]
+        evaluated = [h for h in self.history if h["accuracy"] is not None and h["accuracy"]["overall"] is not None]
         final = evaluated[-1]["accuracy"] if evaluated else None
         return {
             **start_record,
@@ -276,10 +291,10 @@ class Simulation:
                 "dataset": self.ds.name, "round": self.cfg.rounds, "method": self.cfg.method.name}
         globals_ = self.server.global_models()
         for arch, state in globals_.items():
-            info = next(c for c in self.server.clients.values() if c.arch == arch)
-            meta = {**base, "arch": arch, "model": info.model, "model_options": info.model_options, "scope": "global",
-                    "input_shape": list(info.input_shape or self.ds.input_shape)}
+            model, options, shape = self.server.global_spec(arch)
+            meta = {**base, "arch": arch, "model": model, "model_options": options, "scope": "global", "input_shape": list(shape)}
             self.run_dir.save_model(f"global-{safe_name(arch)}", state, meta)
+        self.server.write_artifacts(self.run_dir.path)
         if not globals_:
             for cid, client in self.clients.items():
                 slot = next(s for s in self.slots if s.client_id == cid)
@@ -295,7 +310,7 @@ def safe_name(arch: str) -> str:
 
 def round_line(record: dict[str, Any], total: int) -> str:
     acc = record["accuracy"]
-    acc_txt = f"acc {acc['overall']:.4f}" if acc else "acc  -    "
+    acc_txt = f"acc {acc['overall']:.4f}" if acc and acc["overall"] is not None else "acc  -    "
     return (
         f"round {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
         f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s"

@@ -12,6 +12,7 @@ The contract, shared by simulation and fleets:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -63,6 +64,7 @@ def state_mismatch(tensors: dict[str, torch.Tensor], reference: dict[str, torch.
 
 class ServerHalf:
     asynchronous: bool = False  # whether reports from a closed round are still used
+    one_shot: bool = False  # whether the method has exactly one round (FedMHO, FedCVAE-Ens)
 
     def __init__(
         self,
@@ -131,3 +133,17 @@ class ServerHalf:
     def global_models(self) -> dict[str, dict[str, torch.Tensor]]:
         """Architecture -> weights of the models the server holds (none for knowledge methods)."""
         return {}
+
+    def global_spec(self, arch: str) -> tuple[str, dict[str, Any], tuple[int, ...]]:
+        """(zoo model, its options, input shape) of a global architecture, to rebuild it."""
+        info = next(c for c in self.clients.values() if c.arch == arch)
+        return info.model, dict(info.model_options), tuple(info.input_shape or self.input_shape)
+
+    def build_global(self, arch: str) -> nn.Module:
+        """An untrained model of a global architecture (load :meth:`global_models` into it)."""
+        model, options, shape = self.global_spec(arch)
+        return build_model(model, num_classes=self.num_classes, input_shape=shape, **options)
+
+    def write_artifacts(self, directory: Path) -> list[Path]:
+        """Write what a person would look at besides the models (FedMHO: the synthetic sample grid)."""
+        return []
