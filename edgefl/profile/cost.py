@@ -2,14 +2,14 @@
 
 Time per round: ``3 x forward FLOPs x samples x epochs / effective FLOP/s`` (backward costs about
 twice the forward pass, as FedScale assumes; torch's counter measured 2.96x), plus, when the
-profile has measured them, ``steps x layers x per-layer overhead`` (the dispatch cost that
-dominates small models) and ``steps x params x per-parameter cost`` (zeroing gradients and the
+profile has measured them, ``steps x operators x per-operator overhead`` (the dispatch cost that
+dominates small models; operators are the aten operators the forward pass runs) and ``steps x params x per-parameter cost`` (zeroing gradients and the
 optimizer's update stream every parameter through memory several times: it dominates models
 whose parameters outweigh their arithmetic, like VGG-9's 51 M-parameter FC layer), plus the
 model's upload and download at the profile's bandwidth.
 Memory: ``params x (4 weights + 4 gradients + optimizer state)`` plus the activations autograd
-keeps for a batch (measured once per model by forward hooks: the bytes every leaf module outputs
-per sample), scaled by the profile's activation factor when known (autograd also keeps some
+keeps for a batch (measured once per model by counting the bytes of every new tensor the
+training forward pass creates per sample), scaled by the profile's activation factor when known (autograd also keeps some
 inputs, and kernels take workspace), plus the profile's per-step overhead when known. Storage:
 the parameter bytes. ``edgefl device-profile`` fits the overhead terms from the models it
 measures.
@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import Literal
 
 import torch
-from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgefl.models import build_model, example_inputs, model_info
 from edgefl.profile.schema import DeviceProfile
@@ -32,36 +32,49 @@ OPTIMIZER_STATE_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}
 
 @lru_cache(maxsize=128)
 def activation_bytes_per_sample(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> int:
-    """Bytes of every leaf module's output for one sample: what autograd keeps for backward."""
+    """Bytes of new tensors the forward pass creates for one sample: what autograd keeps and
+    what memory-bound kernels stream."""
     return _forward_stats(name, frozen_options, input_shape, num_classes)[0]
 
 
 @lru_cache(maxsize=128)
 def layer_count(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> int:
-    """Leaf modules run in a forward pass: each costs dispatch time forward and backward."""
+    """Operators the forward pass dispatches: each costs dispatch time forward and backward."""
     return _forward_stats(name, frozen_options, input_shape, num_classes)[1]
+
+
+class _OperatorCounter(TorchDispatchMode):
+    """Counts the aten operators a forward pass runs and the bytes of the tensors they create.
+
+    Counting at the operator level rather than per leaf module sees what modules hide: functional
+    calls (``torch.cat``, ``F.relu``, the CVAE's reparameterisation), the full output of a
+    transposed convolution that is cropped afterwards, and the residual additions; and it skips
+    bytes that are not new: views and in-place operators (``relu_``, ``add_``) write no new tensor.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators = 0
+        self.new_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.operators += 1
+        if not func.is_view and not func._schema.is_mutable:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.new_bytes += t.numel() * t.element_size()
+        return out
 
 
 @lru_cache(maxsize=128)
 def _forward_stats(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> tuple[int, int]:
     model = build_model(name, num_classes=num_classes, input_shape=input_shape, **dict(frozen_options))
-    total = 0
-    calls = 0
-
-    def hook(_m: nn.Module, _i, out) -> None:
-        nonlocal total, calls
-        calls += 1
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    model.eval()
-    with torch.no_grad():
+    model.train()  # the training forward: dropout draws masks, batch norm uses batch statistics
+    counter = _OperatorCounter()
+    with torch.no_grad(), counter:
         model(*example_inputs(model, 2, input_shape, num_classes))
-    for h in handles:
-        h.remove()
-    return total // 2, calls
+    return counter.new_bytes // 2, counter.operators
 
 
 def freeze(options: dict) -> tuple:

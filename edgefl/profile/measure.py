@@ -216,7 +216,7 @@ def profile_host(
     fit_source = (f"non-negative least-squares fit over {len(ok)} zoo models of step = layers x o + 3 x FLOPs x batch / speed "
                   "+ params x p + activation bytes x batch x q")
     memory_source = (f"fit over {len(ok)} zoo models of peak training memory - params x 16 "
-                     "= activation factor x leaf-output bytes x batch + overhead")
+                     "= activation factor x forward-tensor bytes x batch + overhead")
     if broker:
         on_step(f"broker round trip: {broker}")
         details["broker"] = {"url": broker, **broker_round_trip(broker)}

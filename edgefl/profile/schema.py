@@ -74,7 +74,7 @@ class Memory(_Strict):
     ram_bytes: Quantity = Field(default_factory=_unknown)
     training_budget_bytes: Quantity = Field(default_factory=_unknown, description="RAM left for training after OS and runtime")
     step_overhead_bytes: Quantity = Field(default_factory=_unknown, description="training memory beyond weights, optimizer and activations")
-    activation_factor: Quantity = Field(default_factory=_unknown, description="bytes autograd and kernels hold per byte of leaf-module output")
+    activation_factor: Quantity = Field(default_factory=_unknown, description="bytes autograd and kernels hold per byte of new forward tensors")
     storage_bytes: Quantity = Field(default_factory=_unknown, description="free storage where runs are kept")
 
 
@@ -82,9 +82,9 @@ class Compute(_Strict):
     matmul_gflops: Quantity = Field(default_factory=_unknown, description="dense fp32 matrix multiply")
     effective_gflops: Quantity = Field(default_factory=_unknown, description="fp32 training throughput on a real network")
     int8_gops: Quantity = Field(default_factory=_unknown)
-    layer_overhead_us: Quantity = Field(default_factory=_unknown, description="per-layer, per-step dispatch cost of a training step")
+    layer_overhead_us: Quantity = Field(default_factory=_unknown, description="per-operator, per-step dispatch cost of a training step (operators: the aten ops of the forward pass)")
     param_overhead_ns: Quantity = Field(default_factory=_unknown, description="per-parameter, per-step cost (gradients, optimizer update: memory traffic)")
-    activation_ns_per_byte: Quantity = Field(default_factory=_unknown, description="per byte of leaf-module output per step (memory-bound layers)")
+    activation_ns_per_byte: Quantity = Field(default_factory=_unknown, description="per byte of new forward tensors per step (memory-bound operators)")
     fitted_gflops: Quantity = Field(default_factory=_unknown, description="arithmetic rate of the full step fit (0: memory-bound, no separate arithmetic term)")
 
 
