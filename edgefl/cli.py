@@ -63,6 +63,108 @@ def simulate(
             raise typer.Exit(1) from None
 
 
+def _fleet_printer(console: Console, total: int):
+    """Fleet progress as lines: who joined, who uploaded, round state."""
+    def on_event(kind: str, info: dict) -> None:
+        if kind == "presence":
+            console.print(f"  {info['device']} {'joined' if info['online'] else 'went offline'}")
+        elif kind == "joined":
+            console.print(f"{info['online']} devices online" + (f"; starting without {', '.join(info['missing'])}" if info["missing"] else ""))
+        elif kind == "round":
+            console.print(f"[bold]round {info['round']}/{total}[/]: {len(info['selected'])} devices selected")
+        elif kind == "upload":
+            console.print(f"  {info['device']} uploaded ({info['status']})")
+        elif kind == "late":
+            console.print(f"  {info['device']} late upload for round {info['round']} ({info['status']})")
+        elif kind == "rejected":
+            console.print(f"  [yellow]{info['device']} rejected[/]: {info['reason']}")
+        elif kind == "extended":
+            console.print(f"  [yellow]round {info['round']} extended[/]: {info['reported']} of {info['quorum']} needed")
+        elif kind == "closed":
+            acc = info["accuracy"]
+            console.print(f"round {info['round']} {info['outcome']}: {len(info['reported'])}/{len(info['selected'])} reported"
+                          + (f", missing {', '.join(info['missing'])}" if info["missing"] else "")
+                          + (f", acc {acc['overall']:.4f}" if acc else "") + f", {info['round_time_s']:.1f}s")
+    return on_event
+
+
+@app.command()
+def fleet(
+    config: Annotated[Optional[Path], typer.Argument(help="run config (TOML); omitted: the embedded preset")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="override a key, e.g. --set rounds=3 (repeatable)")] = [],  # noqa: B006
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory")] = None,
+    broker: Annotated[Optional[str], typer.Option(help="use this broker instead of starting mosquitto")] = None,
+    preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted")] = "demo",
+) -> None:
+    """A fleet on this machine: a broker, the server and one process per device, over MQTT."""
+    from edgefl.config import load_config
+    from edgefl.fleet.launcher import run_fleet
+    from edgefl.rundir import RunDir
+
+    cfg = load_config(config, set_, preset)
+    run = RunDir.create(out_dir, cfg.name, cfg.seed)
+    err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
+    err.print(f"run directory: {run.path}")
+    summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds))
+    acc = summary["final_accuracy"]
+    out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
+    if summary["failed_rounds"]:
+        out.print(f"failed rounds: {summary['failed_rounds']}")
+    out.print(f"run directory: {run.path}")
+
+
+@app.command()
+def server(
+    broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT (mqtts:// for TLS)")],
+    config: Annotated[Path, typer.Option(help="run config (TOML)")],
+    set_: Annotated[list[str], typer.Option("--set", help="override a key (repeatable)")] = [],  # noqa: B006
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory")] = None,
+    username: Annotated[Optional[str], typer.Option(help="MQTT username")] = None,
+    password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
+    ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate of a TLS broker")] = None,
+) -> None:
+    """Run the server half of a config over MQTT (the GPU server of a real fleet)."""
+    import os
+
+    from edgefl.config import load_config
+    from edgefl.fleet.launcher import serve
+    from edgefl.rundir import RunDir
+
+    cfg = load_config(config, set_, "demo")
+    run = RunDir.create(out_dir, cfg.name, cfg.seed)
+    err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
+    summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds), username, os.environ.get(password_env),
+                    str(ca_file) if ca_file else None)
+    acc = summary["final_accuracy"]
+    out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
+
+
+@app.command()
+def client(
+    broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT (mqtts:// for TLS)")],
+    config: Annotated[Path, typer.Option(help="the run config the server uses (TOML)")],
+    device_id: Annotated[str, typer.Option("--device-id", help="this device's id in the config's fleet, e.g. client-3")],
+    data: Annotated[Optional[Path], typer.Option(help="folder holding the dataset files (overrides data.data_dir)")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="override a key (repeatable)")] = [],  # noqa: B006
+    timeout: Annotated[Optional[float], typer.Option(help="give up after this many seconds")] = None,
+    username: Annotated[Optional[str], typer.Option(help="MQTT username (default: the device id)")] = None,
+    password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
+    ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate of a TLS broker")] = None,
+) -> None:
+    """Run one device of a fleet over MQTT (what a Raspberry Pi or Jetson runs)."""
+    import os
+
+    from edgefl.config import load_config
+    from edgefl.fleet.launcher import run_device
+
+    overrides = [*set_, *([f"data.data_dir={data}"] if data else [])]
+    cfg = load_config(config, overrides, "demo")
+    password = os.environ.get(password_env)
+    results = run_device(cfg, device_id, broker, timeout, username or (device_id if password else None), password,
+                         str(ca_file) if ca_file else None)
+    err.print(f"{device_id}: {len(results)} rounds served")
+
+
 @app.command()
 def export(
     source: Annotated[Path, typer.Argument(help="a run directory, or a .safetensors weights file")],

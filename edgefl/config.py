@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import math
 import sys
 from importlib import resources
 from pathlib import Path
@@ -159,6 +160,26 @@ class ClockSettings(Strict):
     candidates: list[str] | None = Field(None, description='models "auto" groups choose from, e.g. ["vgg9", "cvae-small"]')
 
 
+class NetworkSettings(Strict):
+    """How a fleet run talks over MQTT (docs/PROTOCOL.md); a simulation ignores it."""
+
+    federation: str | None = Field(None, description="topic prefix of this federation (default: the run name)")
+    round_deadline_s: float = Field(120.0, gt=0, description="a round closes at this deadline when not every device reported")
+    quorum: float = Field(0.5, gt=0, description="reports needed at the deadline: a fraction (<= 1) of the selected devices or a count (> 1)")
+    grace_s: float = Field(0.0, ge=0, description="extend a round that misses its quorum once by this much (0: fail it at once)")
+    chunk_bytes: int = Field(1 << 20, ge=1024, description="bodies above chunk_threshold travel in chunks of this size")
+    chunk_threshold: int = Field(512 << 10, ge=1024)
+    max_message_bytes: int = Field(256 << 20, ge=1 << 16, description="the largest message (whole upload, before chunking) either side accepts")
+    ack_timeout_s: float = Field(10.0, gt=0, description="a device resends an upload not acknowledged within this")
+    stale_upload_s: float = Field(120.0, gt=0, description="a partial chunked upload idle this long is dropped")
+    protocol: Literal["5", "3.1.1"] = "5"
+
+    def quorum_count(self, selected: int) -> int:
+        if self.quorum <= 1:
+            return max(1, math.ceil(self.quorum * selected - 1e-9))
+        return min(selected, int(self.quorum))
+
+
 class MethodSettings(BaseModel):
     """``name`` picks the method; the other keys are that method's options, validated by it."""
 
@@ -180,6 +201,7 @@ class RunConfig(Strict):
     fleet: FleetSettings
     eval: EvalSettings = Field(default_factory=EvalSettings)
     clock: ClockSettings = Field(default_factory=ClockSettings)
+    network: NetworkSettings = Field(default_factory=NetworkSettings)
     export: list[Literal["onnx", "tflite", "int8"]] = Field(
         default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
     )

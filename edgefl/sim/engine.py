@@ -118,8 +118,12 @@ class Simulation:
         selected = sample_clients(self.cfg, list(self.clients), r)
         rec = RoundRecord(r, selected)
         self.server.begin_round(r)
+        # every selected device gets its downlink at the start of the round, before any of them
+        # reports, as in a fleet where they train at the same time (an asynchronous server such as
+        # FedHe's would otherwise hand later devices what earlier ones reported this round)
+        downlinks = {cid: transmit(self.server.downlink(r, cid)) for cid in selected}
         for cid in selected:
-            down, n_down = transmit(self.server.downlink(r, cid))
+            down, n_down = downlinks.pop(cid)
             up = self.clients[cid].fit(down, r)
             up, n_up = transmit(up)
             rec.bytes_down[cid], rec.bytes_up[cid] = n_down, n_up

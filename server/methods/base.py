@@ -127,6 +127,11 @@ class ServerHalf:
     def begin_round(self, round: int) -> None:
         self.round = round
 
+    def discard_round(self, round: int) -> None:
+        """Forget a failed round's held uploads (a fleet round that missed its quorum)."""
+        if isinstance(self.__dict__.get("pending"), dict):
+            self.__dict__["pending"] = {}
+
     def close_round(self, round: int) -> dict[str, Any]:
         return {}
 

@@ -1,0 +1,1 @@
+"""Fleet transport: the wire envelope, chunked transfers, MQTT topics and connections."""

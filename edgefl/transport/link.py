@@ -1,0 +1,162 @@
+"""One MQTT connection of a fleet member (paho-mqtt 2.x), with the habits docs/PROTOCOL.md asks for.
+
+* persistent session: a stable client id, clean start off and a session expiry (MQTT 5) or
+  ``clean_session = False`` (MQTT 3.1.1), so QoS 1 messages wait for a device that is offline;
+* presence: retained ``online`` on connect, ``offline`` as the last will;
+* reconnect with exponential back-off whose floor is jittered per client, so a fleet does not
+  reconnect in lockstep after a broker restart;
+* callbacks only enqueue: an exception or a long block inside a paho callback would kill or stall
+  the network thread, so all work happens in the caller's thread via :meth:`Link.get`;
+* publishes larger than the broker's packet limit are refused here (the broker would disconnect
+  the client and paho would resend forever).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from edgefl.errors import EdgeflError
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool = False
+
+    @classmethod
+    def parse(cls, url: str) -> BrokerAddress:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("mqtt", "mqtts", "tcp") or not parsed.hostname:
+            raise EdgeflError(f"broker {url!r}: expected mqtt://HOST:PORT (or mqtts:// for TLS)")
+        tls = parsed.scheme == "mqtts"
+        return cls(parsed.hostname, parsed.port or (8883 if tls else 1883), tls)
+
+    def __str__(self) -> str:
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+@dataclass
+class Incoming:
+    topic: str
+    payload: bytes
+
+
+class Link:
+    """A connected MQTT client whose incoming messages wait in a queue."""
+
+    def __init__(
+        self,
+        address: BrokerAddress,
+        client_id: str,
+        subscriptions: list[str],
+        presence_topic: str | None = None,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        ca_file: str | None = None,
+        protocol: str = "5",
+        max_packet_bytes: int = 256 << 20,
+        session_expiry_s: int = 3600,
+        keepalive_s: int = 30,
+    ) -> None:
+        import paho.mqtt.client as mqtt
+
+        self._mqtt = mqtt
+        self.address = address
+        self.client_id = client_id
+        self.subscriptions = subscriptions
+        self.presence_topic = presence_topic
+        self.max_packet_bytes = max_packet_bytes
+        self.v5 = protocol == "5"
+        self.inbox: queue.Queue[Incoming] = queue.Queue()
+        self.connected = threading.Event()
+        self.connect_count = 0
+        self.last_disconnect: str | None = None
+        self.client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+            protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
+            **({} if self.v5 else {"clean_session": False}),
+        )
+        if username:
+            self.client.username_pw_set(username, password)
+        if address.tls:
+            self.client.tls_set(ca_certs=ca_file)
+        if presence_topic:
+            self.client.will_set(presence_topic, b"offline", qos=1, retain=True)
+        self.client.max_queued_messages_set(0)
+        # jittered back-off floor: 1-2 s, doubling to at most 30 s
+        self.client.reconnect_delay_set(min_delay=1 + int(random.Random(client_id).random() * 2), max_delay=30)
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+        self._session_expiry_s = session_expiry_s
+        self._keepalive_s = keepalive_s
+
+    # --- paho callbacks: enqueue only ---------------------------------------------------------
+    def _on_connect(self, client, userdata, flags, reason_code, properties=None) -> None:
+        if getattr(reason_code, "is_failure", False):
+            self.last_disconnect = f"connect refused: {reason_code}"
+            return
+        self.connect_count += 1
+        for topic in self.subscriptions:
+            client.subscribe(topic, qos=1)
+        if self.presence_topic:
+            client.publish(self.presence_topic, b"online", qos=1, retain=True)
+        self.connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties=None) -> None:
+        self.connected.clear()
+        self.last_disconnect = str(reason_code)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        self.inbox.put(Incoming(msg.topic, bytes(msg.payload)))
+
+    # --- use ----------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 15.0) -> Link:
+        kwargs = {}
+        if self.v5:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self._session_expiry_s
+            kwargs = {"clean_start": False, "properties": props}
+        try:
+            self.client.connect(self.address.host, self.address.port, keepalive=self._keepalive_s, **kwargs)
+        except OSError as exc:
+            raise EdgeflError(f"cannot reach the broker at {self.address}: {exc}",
+                              hint="start one (edgefl fleet starts its own) or check --broker") from None
+        self.client.loop_start()
+        if not self.connected.wait(timeout_s):
+            self.stop()
+            raise EdgeflError(f"the broker at {self.address} did not accept {self.client_id} within {timeout_s:g} s"
+                              + (f" ({self.last_disconnect})" if self.last_disconnect else ""))
+        return self
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1) -> None:
+        if len(payload) + len(topic) + 64 > self.max_packet_bytes:
+            raise EdgeflError(f"refusing to publish {len(payload)} bytes: the broker's limit is {self.max_packet_bytes}",
+                              hint="lower the chunk size or raise the broker's max_packet_size")
+        self.client.publish(topic, payload, qos=qos, retain=retain)
+
+    def get(self, timeout_s: float) -> Incoming | None:
+        try:
+            return self.inbox.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            return None
+
+    def stop(self, offline: bool = True) -> None:
+        """Say offline (when asked), disconnect first, then stop the loop (stopping first can hang
+        on a full outgoing queue)."""
+        try:
+            if offline and self.presence_topic and self.connected.is_set():
+                info = self.client.publish(self.presence_topic, b"offline", qos=1, retain=True)
+                info.wait_for_publish(2.0)
+            self.client.disconnect()
+        finally:
+            self.client.loop_stop()
