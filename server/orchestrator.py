@@ -193,12 +193,18 @@ class FleetServer:
         if self.state is not None:
             self.state.rejected.setdefault(device, []).append(reason)
         self.on_event("rejected", {"device": device, "reason": reason})
-        if env is not None and device in self.device_ids:
-            missing = []
-            if env.type == "chunk":
-                c = env.extra["chunk"]
-                missing = self.reassembler.missing(device, c["upload_id"])
-            self._reply(device, env, "nack", reason=reason[:500], **({"missing": missing} if missing else {}))
+        if device not in self.device_ids:
+            return
+        if env is None:
+            # nothing to reply to (the envelope did not parse): the nack still tells the device why
+            nack = Envelope("nack", self.topics.federation, self.state.round if self.state else 0, "server",
+                            model_version=self._model_version(), extra={"reason": reason[:500]})
+            self.link.publish(self.topics.down(device), pack(nack))
+            return
+        missing = []
+        if env.type == "chunk":
+            missing = self.reassembler.missing(device, env.extra["chunk"]["upload_id"])
+        self._reply(device, env, "nack", reason=reason[:500], **({"missing": missing} if missing else {}))
 
     # --- rounds -------------------------------------------------------------------------------
     def wait_for_devices(self, timeout_s: float) -> list[str]:

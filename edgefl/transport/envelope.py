@@ -101,7 +101,7 @@ def unpack(data: bytes, max_bytes: int) -> Envelope:
     if version != VERSION:
         raise PayloadError(f"envelope version {version} not supported (this side speaks {VERSION})")
     if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > len(data):
-        raise PayloadError(f"header length {header_len} does not fit the {len(data)}-byte message")
+        raise PayloadError(f"truncated or corrupt: header length {header_len} does not fit the {len(data)}-byte message")
     try:
         header = json.loads(data[PREFIX.size : PREFIX.size + header_len])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -1,0 +1,295 @@
+"""Fleet runs over a real mosquitto on a free loopback port: the envelope and chunking, the
+server's validation (every bad upload answered with a nack, the loop survives), quorum and
+deadlines with a dead device, and a fleet reproducing the simulation of the same config."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from edgefl.config import RunConfig
+from edgefl.errors import PayloadError
+from edgefl.messages import Message, encode
+from edgefl.transport.chunks import Reassembler, split
+from edgefl.transport.envelope import Envelope, pack, unpack
+from edgefl.transport.link import BrokerAddress, Link
+from edgefl.transport.topics import Topics
+from tests.conftest import digits_config
+from tests.mosquitto import mosquitto
+
+LIMIT = 64 << 20
+
+
+def envelope(body: bytes = b"x" * 100, **kw) -> Envelope:
+    return Envelope(kw.pop("type", "upload"), "fed", 1, kw.pop("sender", "client-0"), body, codec=kw.pop("codec", "none"), **kw)
+
+
+# --- envelope ---------------------------------------------------------------------------------
+def test_envelope_round_trips_and_checks_cheapest_first():
+    env = envelope(b"payload", reply_to="abc", model_version=3)
+    back = unpack(pack(env), LIMIT)
+    assert (back.type, back.sender, back.body, back.reply_to, back.model_version) == ("upload", "client-0", b"payload", "abc", 3)
+    data = pack(env)
+    cases = {
+        "exceeds": (data, 10),
+        "bad magic": (b"PKL0" + data[4:], LIMIT),
+        "version": (data[:4] + b"\x09" + data[5:], LIMIT),
+        "truncated": (data[:6], LIMIT),
+        "does not fit": (data[:-8][:20], LIMIT),
+        "SHA-256": (data[:-1] + bytes([data[-1] ^ 1]), LIMIT),
+        "bytes, the header says": (data + b"extra", LIMIT),
+    }
+    for expected, (blob, limit) in cases.items():
+        with pytest.raises(PayloadError, match=expected):
+            unpack(blob, limit)
+
+
+def test_envelope_header_schema_is_enforced():
+    good = envelope().header()
+    for mutate, expected in [
+        (lambda h: h.pop("sender"), "missing"),
+        (lambda h: h.update(round="1"), "wrong type"),
+        (lambda h: h.update(type="exec"), "unknown message type"),
+        (lambda h: h.update(evil=1), "unknown header fields"),
+        (lambda h: h.update(sender="x" * 65), "1-64"),
+        (lambda h: h.update(round=True), "wrong type"),
+    ]:
+        h = json.loads(json.dumps(good))
+        mutate(h)
+        raw = json.dumps(h).encode()
+        blob = b"EDFL\x01" + len(raw).to_bytes(4, "little") + raw + b"x" * 100
+        with pytest.raises(PayloadError, match=expected):
+            unpack(blob, LIMIT)
+
+
+def test_pickle_bytes_are_never_unpickled():
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('unpickled!')",))
+
+    with pytest.raises(PayloadError):
+        unpack(pickle.dumps(Boom()), LIMIT)
+
+
+# --- chunks -----------------------------------------------------------------------------------
+def test_chunks_survive_duplicates_and_any_order_and_report_what_is_missing():
+    body = bytes(range(256)) * 9000  # ~2.3 MB
+    env = envelope(body)
+    pieces = split(env, chunk_bytes=256 << 10, threshold=512 << 10)
+    assert len(pieces) == 9
+    r = Reassembler(LIMIT)
+    chunks = [unpack(p, LIMIT) for p in pieces]
+    order = [8, 3, 3, 0, 5, 1, 7, 2, 2, 6]
+    results = [r.add(chunks[i]) for i in order]
+    assert all(x is None for x in results)
+    assert r.missing("client-0", env.message_id) == [4]
+    whole = r.add(chunks[4])
+    assert unpack(whole, LIMIT).body == body
+    assert r.add(chunks[0]) is None  # a late duplicate after completion starts nothing
+
+
+def test_small_messages_travel_whole_and_stale_partials_are_collected():
+    assert len(split(envelope(b"a" * 1000))) == 1
+    pieces = [unpack(p, LIMIT) for p in split(envelope(b"b" * (3 << 20)), chunk_bytes=1 << 20)]
+    r = Reassembler(LIMIT, stale_s=5)
+    r.add(pieces[0])
+    dropped = r.collect_stale(now=time.monotonic() + 10)
+    assert dropped and dropped[0][2] == [1, 2, 3]
+    assert r.partial == {}
+
+
+def test_chunk_lies_are_caught():
+    pieces = [unpack(p, LIMIT) for p in split(envelope(b"c" * (3 << 20)), chunk_bytes=1 << 20)]
+    r = Reassembler(1 << 20)
+    with pytest.raises(PayloadError, match="exceeds"):
+        r.add(pieces[0])  # the whole upload is larger than this side accepts
+    r = Reassembler(LIMIT)
+    r.add(pieces[0])
+    forged = pieces[1]
+    forged.extra["chunk"] = {**forged.extra["chunk"], "total_length": 5}
+    with pytest.raises(PayloadError, match="disagrees"):
+        r.add(forged)
+    r = Reassembler(LIMIT)
+    tampered = [unpack(p, LIMIT) for p in split(envelope(b"d" * (2 << 20)), chunk_bytes=1 << 20)]
+    tampered[1].body = b"e" * len(tampered[1].body)
+    for piece in tampered[:-1]:
+        r.add(piece)
+    with pytest.raises(PayloadError, match="SHA-256"):
+        r.add(tampered[-1])
+
+
+def test_topics_name_the_device_and_refuse_wildcards():
+    t = Topics("fed-1")
+    assert t.device_of(t.up("client-3")) == "client-3"
+    assert t.device_of(t.presence("client-3")) == "client-3"
+    assert t.device_of("edgefl/v1/other/dev/client-3/up") is None
+    with pytest.raises(ValueError):
+        Topics("a/#")
+
+
+# --- against a real broker --------------------------------------------------------------------
+def fleet_config(method="fedhe", rounds=2, **network) -> RunConfig:
+    raw = digits_config(method, rounds=rounds)
+    raw["fleet"] = {"groups": [
+        {"model": "fedhe-cnn-0", "count": 2, "options": {"width": 0.125}},
+        {"model": "mlp", "count": 2, "options": {"hidden": [32, 16]}},
+    ]}
+    raw["network"] = {"round_deadline_s": 60, **network}
+    raw["threads"] = 1
+    return RunConfig.model_validate(raw)
+
+
+def test_a_fleet_reproduces_the_simulation_bit_for_bit(tmp_path):
+    from edgefl.fleet.launcher import run_fleet
+    from edgefl.sim import Simulation
+
+    for method in ("fedhe", "fedavg"):
+        cfg = fleet_config(method)
+        sim = Simulation(cfg, show_progress=False).run()
+        fleet = run_fleet(cfg, None, None, device_timeout_s=120)
+        assert [h["outcome"] for h in fleet["history"]] == ["complete", "complete"]
+        assert fleet["final_accuracy"]["per_client"] == sim["final_accuracy"]["per_client"], method
+        assert fleet["final_accuracy"]["overall"] == sim["final_accuracy"]["overall"]
+        assert set(fleet["device_exit_codes"].values()) == {0}
+
+
+def _server_thread(cfg, broker, results, join_timeout_s=3.0):
+    from edgefl.fleet.launcher import serve
+
+    # a short join wait: a device that joins later gets its download when it comes online
+    def target():
+        try:
+            results["summary"] = serve(cfg, broker, None, join_timeout_s=join_timeout_s)
+        except BaseException as exc:  # surfaced by the test
+            results["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t
+
+
+def _device(cfg_path, broker, device, timeout=90):
+    return subprocess.Popen([sys.executable, "-m", "edgefl", "client", "--broker", broker, "--config", str(cfg_path),
+                             "--device-id", device, "--timeout", str(timeout)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_online(broker: str, federation: str, devices: list[str], timeout_s: float = 90) -> None:
+    """Block until every device has said "online" (device processes import torch first: seconds)."""
+    topics = Topics(federation)
+    watcher = Link(BrokerAddress.parse(broker), f"watch-{federation}", [topics.all_presence]).start()
+    seen: set[str] = set()
+    end = time.monotonic() + timeout_s
+    try:
+        while not set(devices) <= seen and time.monotonic() < end:
+            item = watcher.get(0.5)
+            if item is not None and item.payload == b"online":
+                seen.add(topics.device_of(item.topic))
+    finally:
+        watcher.stop(offline=False)
+    assert set(devices) <= seen, f"devices never came online: {sorted(set(devices) - seen)}"
+
+
+def test_quorum_and_deadline_close_a_round_with_a_dead_device(tmp_path):
+    cfg = fleet_config("fedavg", rounds=2, round_deadline_s=8, quorum=0.75, federation="quorum-test")
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    with mosquitto(tmp_path) as broker:
+        results: dict = {}
+        procs = [_device(path, broker, f"client-{i}") for i in range(3)]  # client-3 never starts
+        wait_online(broker, "quorum-test", ["client-0", "client-1", "client-2"])
+        t = _server_thread(cfg, broker, results)
+        t.join(timeout=120)
+        for p in procs:
+            p.wait(timeout=30)
+    assert "error" not in results, results.get("error")
+    history = results["summary"]["history"]
+    assert [h["outcome"] for h in history] == ["deadline", "deadline"]
+    assert all(h["missing"] == ["client-3"] for h in history)
+    assert results["summary"]["final_accuracy"] is not None
+
+
+def test_a_round_below_quorum_fails_instead_of_waiting(tmp_path):
+    cfg = fleet_config("fedavg", rounds=1, round_deadline_s=3, quorum=2, grace_s=2, federation="fail-test")
+    with mosquitto(tmp_path) as broker:
+        results: dict = {}
+        t0 = time.monotonic()
+        t = _server_thread(cfg, broker, results)  # no device at all
+        t.join(timeout=60)
+    assert "error" not in results, results.get("error")
+    (h,) = results["summary"]["history"]
+    assert h["outcome"] == "failed" and h["extended"] and h["reported"] == []
+    assert time.monotonic() - t0 < 40
+    assert results["summary"]["failed_rounds"] == [1]
+
+
+def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
+    """A rogue client (a raw MQTT connection) sends every kind of bad upload on client-1's topic and
+    under other names; each is answered with a nack and the round still completes."""
+    from edgefl.fleet.launcher import federation
+
+    cfg = fleet_config("fedavg", rounds=1, round_deadline_s=40, federation="hostile-test")
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    topics = Topics(federation(cfg))
+    with mosquitto(tmp_path) as broker:
+        results: dict = {}
+        procs = [_device(path, broker, f"client-{i}") for i in (0, 2, 3)]
+        wait_online(broker, topics.federation, ["client-0", "client-2", "client-3"])
+        t = _server_thread(cfg, broker, results)
+        rogue = Link(BrokerAddress.parse(broker), "rogue", [topics.down("client-1")]).start()
+        from edgefl.models import build_model
+
+        real = build_model("fedhe-cnn-0", num_classes=10, input_shape=(1, 8, 8), width=0.125).state_dict()
+        wrong_shape = {**real, next(iter(real)): torch.zeros(3)}
+        nan = {k: v.clone() for k, v in real.items()}
+        next(t for t in nan.values() if t.is_floating_point()).fill_(float("nan"))
+
+        def upload(tensors, sender="client-1", round_no=1, body=None):
+            msg = Message("weights", round_no, sender, tensors or {}, {"num_samples": 10})
+            blob = encode(msg) if body is None else body
+            return pack(Envelope("upload", topics.federation, round_no, sender, blob, msg.message_id, codec="safetensors"))
+
+        bomb_header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}).encode()
+        bomb = len(bomb_header).to_bytes(8, "little") + bomb_header + b"\0" * 16
+        time.sleep(4)  # let the round start
+        attempts = [
+            b"JUNK" + upload(real)[4:],  # bad magic
+            upload(real)[:30],  # truncated
+            upload(real)[:-1] + b"\x00",  # body hash
+            pickle.dumps({"w": 1}),  # pickle bytes
+            upload(wrong_shape),
+            upload(nan),
+            upload(None, body=bomb),  # a header promising a terabyte
+            upload(real, sender="client-2"),  # another device's name on this topic
+        ]
+        for blob in attempts:
+            rogue.publish(topics.up("client-1"), blob)
+        rogue.publish(topics.up("client-1"), upload(real, round_no=0))  # a stale round: acked as late, not used
+        time.sleep(5)
+        nacks, acks = [], []
+        while (item := rogue.get(0.2)) is not None:
+            env = unpack(item.payload, LIMIT)
+            if env.type == "nack":
+                nacks.append(env.extra["reason"])
+            elif env.type == "ack":
+                acks.append(env.extra.get("status"))
+        rogue.stop(offline=False)
+        procs.append(_device(path, broker, "client-1"))  # the real client-1 then reports
+        t.join(timeout=120)
+        for p in procs:
+            p.wait(timeout=30)
+    assert "error" not in results, results.get("error")
+    assert len(nacks) == len(attempts), nacks  # every bad upload was answered with a reason
+    assert acks == ["late"]
+    history = results["summary"]["history"][0]
+    assert history["outcome"] == "complete" and history["reported"] == ["client-0", "client-1", "client-2", "client-3"]
+    reasons = " | ".join(nacks)
+    for fragment in ("bad magic", "truncated", "SHA-256", "NaN", "outside", "is not the topic's device", "expected"):
+        assert fragment in reasons, fragment
