@@ -165,6 +165,28 @@ def client(
     err.print(f"{device_id}: {len(results)} rounds served")
 
 
+@app.command("broker-config")
+def broker_config(
+    devices: Annotated[int, typer.Option(help="how many devices get a credential")],
+    out_dir: Annotated[Path, typer.Option("--out", help="folder to write (must not hold a configuration yet)")],
+    federation: Annotated[str, typer.Option(help="the federation the ACL confines devices to (network.federation)")] = "edgefl",
+    port: Annotated[int, typer.Option(help="listener port")] = 8883,
+    tls: Annotated[bool, typer.Option("--tls/--no-tls", help="TLS listener (certificates made with openssl)")] = True,
+    hostname: Annotated[str, typer.Option(help="the broker's host name, for its certificate")] = "localhost",
+) -> None:
+    """Write a mosquitto configuration for a real fleet: TLS, one password per device, an ACL per device."""
+    from edgefl.fleet.broker_config import write_broker_config
+
+    made = write_broker_config(out_dir, devices, federation, port, tls, hostname)
+    out.print(f"wrote {made.config}")
+    out.print(f"  passwords for {len(made.devices)} devices and the server: {made.passwords} (plain text once: {made.credentials})")
+    out.print(f"  ACL: {made.acl}")
+    if made.certs is not None:
+        have = (made.certs / "server.crt").exists()
+        out.print(f"  TLS: {made.certs}" + ("" if have else " [yellow](openssl not found: run the commands in certs/README)[/]"))
+    out.print(f"start it with: mosquitto -c {made.config}   (docs/deploy.md)")
+
+
 @app.command()
 def export(
     source: Annotated[Path, typer.Argument(help="a run directory, or a .safetensors weights file")],

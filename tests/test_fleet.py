@@ -293,3 +293,89 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
     reasons = " | ".join(nacks)
     for fragment in ("bad magic", "truncated", "SHA-256", "NaN", "outside", "is not the topic's device", "expected"):
         assert fragment in reasons, fragment
+
+
+# --- broker-config ---------------------------------------------------------------------------------
+def _start_generated(made, tmp_path):
+    import shutil as _shutil
+
+    from edgefl.fleet.broker import mosquitto_binary
+
+    binary = mosquitto_binary()
+    if binary is None:
+        pytest.skip("mosquitto is not installed")
+    conf = tmp_path / "run.conf"
+    conf.write_text(made.config.read_text() + "user root\n")  # the test runs as whoever runs it
+    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    import socket
+
+    port = int(next(line.split()[1] for line in made.config.read_text().splitlines() if line.startswith("listener")))
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    del _shutil
+    return proc, port
+
+
+def test_broker_config_authenticates_devices_and_confines_them_to_their_topics(tmp_path):
+    from edgefl.errors import EdgeflError
+    from edgefl.fleet.broker import free_port
+    from edgefl.fleet.broker_config import SERVER_USER, write_broker_config
+
+    made = write_broker_config(tmp_path / "broker", 2, "fed", port=free_port(), tls=False)
+    creds = dict(line.split(",") for line in made.credentials.read_text().splitlines()[1:])
+    assert set(creds) == {SERVER_USER, "client-0", "client-1"}
+    assert (made.credentials.stat().st_mode & 0o777) == 0o600
+    with pytest.raises(EdgeflError, match="already holds"):
+        write_broker_config(tmp_path / "broker", 2, "fed")  # never overwrites credentials
+    proc, port = _start_generated(made, tmp_path)
+    url = f"mqtt://127.0.0.1:{port}"
+    topics = Topics("fed")
+    try:
+        with pytest.raises(EdgeflError):
+            Link(BrokerAddress.parse(url), "anon", [], None).start(timeout_s=3)
+        with pytest.raises(EdgeflError):
+            Link(BrokerAddress.parse(url), "client-0", [], None, username="client-0", password="wrong").start(timeout_s=3)
+        server = Link(BrokerAddress.parse(url), SERVER_USER, [topics.all_up], None, username=SERVER_USER,
+                      password=creds[SERVER_USER]).start()
+        dev = Link(BrokerAddress.parse(url), "client-0", [topics.down("client-1")], None, username="client-0",
+                   password=creds["client-0"]).start()
+        dev.publish(topics.up("client-1"), b"pretending to be client-1")  # refused by the ACL
+        dev.publish(topics.up("client-0"), b"my own topic")
+        server.publish(topics.down("client-1"), b"for client-1 only")
+        got = []
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            item = server.get(0.2)
+            if item is not None:
+                got.append((item.topic, item.payload))
+        assert got == [(topics.up("client-0"), b"my own topic")]
+        assert dev.get(0.5) is None  # client-0 cannot read client-1's downloads
+        dev.stop(offline=False)
+        server.stop(offline=False)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+
+
+def test_broker_config_tls_listener_accepts_devices_that_trust_its_ca(tmp_path):
+    import shutil as _shutil
+
+    from edgefl.fleet.broker import free_port
+    from edgefl.fleet.broker_config import write_broker_config
+
+    if _shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    made = write_broker_config(tmp_path / "broker", 1, "fed", port=free_port(), tls=True, hostname="localhost")
+    creds = dict(line.split(",") for line in made.credentials.read_text().splitlines()[1:])
+    proc, port = _start_generated(made, tmp_path)
+    try:
+        link = Link(BrokerAddress.parse(f"mqtts://localhost:{port}"), "client-0", [], None, username="client-0",
+                    password=creds["client-0"], ca_file=str(made.certs / "ca.crt")).start()
+        link.stop(offline=False)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
