@@ -379,3 +379,15 @@ def test_broker_config_tls_listener_accepts_devices_that_trust_its_ca(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=5)
+
+
+def test_a_fleet_runs_on_the_embedded_broker_too(tmp_path):
+    pytest.importorskip("amqtt")
+    from edgefl.fleet.launcher import run_fleet
+    from edgefl.sim import Simulation
+
+    cfg = fleet_config("fedavg", rounds=1)
+    sim = Simulation(cfg, show_progress=False).run()
+    fleet = run_fleet(cfg, None, None, device_timeout_s=120, broker_kind="embedded")
+    assert fleet["history"][0]["outcome"] == "complete"
+    assert fleet["final_accuracy"]["overall"] == sim["final_accuracy"]["overall"]

@@ -89,6 +89,31 @@ def start_mosquitto(workdir: Path, port: int | None = None, extra_config: str = 
     raise EdgeflError(f"mosquitto did not accept connections on port {port} within {timeout_s:g} s")
 
 
+def start_embedded(workdir: Path, port: int | None = None, timeout_s: float = 20.0) -> LocalBroker:
+    """Start the pure-Python fallback broker (amqtt, MQTT 3.1.1) on 127.0.0.1 in its own process."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("amqtt") is None:
+        raise EdgeflError("no mosquitto binary and no embedded broker (amqtt) installed",
+                          hint="apt-get install mosquitto (preferred), or pip install 'edgefl[broker]'")
+    port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = open(workdir / "embedded-broker.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "edgefl.fleet.embedded_broker", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return LocalBroker(proc, port, workdir / "embedded-broker.log")
+        except OSError:
+            if proc.poll() is not None:
+                raise EdgeflError(f"the embedded broker exited at start: see {workdir / 'embedded-broker.log'}") from None
+            time.sleep(0.1)
+    proc.kill()
+    raise EdgeflError(f"the embedded broker did not accept connections on port {port} within {timeout_s:g} s")
+
+
 def _is_root() -> bool:
     import os
 

@@ -130,19 +130,25 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
 
 
 def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, console: Console | None = None,
-              broker: str | None = None, device_timeout_s: float = 600.0,
+              broker: str | None = None, device_timeout_s: float = 600.0, broker_kind: str = "auto",
               on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """A broker (mosquitto on a free loopback port unless ``broker`` is given), the server in this
     process and one ``edgefl client`` process per device."""
-    from edgefl.fleet.broker import start_mosquitto
+    from edgefl.fleet.broker import mosquitto_binary, start_embedded, start_mosquitto
 
     console = console or Console(stderr=True)
     work = Path(tempfile.mkdtemp(prefix="edgefl-fleet-"))
     local = None
     if broker is None:
-        local = start_mosquitto(work / "broker", max_packet_bytes=_packet_limit(cfg))
+        if broker_kind == "mosquitto" or (broker_kind == "auto" and mosquitto_binary() is not None):
+            local = start_mosquitto(work / "broker", max_packet_bytes=_packet_limit(cfg))
+            console.print(f"broker: mosquitto at {local.url} (log {work / 'broker' / 'mosquitto.log'})")
+        else:
+            local = start_embedded(work / "broker")
+            console.print(f"[yellow]warning:[/] no mosquitto binary: using the embedded pure-Python broker at {local.url} "
+                          "(MQTT 3.1.1, loopback only, slower; apt-get install mosquitto for real runs)")
+            cfg = cfg.model_copy(update={"network": cfg.network.model_copy(update={"protocol": "3.1.1"})})
         broker = local.url
-        console.print(f"broker: mosquitto at {broker} (log {work / 'broker' / 'mosquitto.log'})")
     if config_path is None or cfg.network.federation is None:
         cfg = cfg.model_copy(update={"network": cfg.network.model_copy(update={"federation": cfg.network.federation or _fed_name(cfg)})})
     config_path = work / "config.toml"
