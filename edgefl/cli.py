@@ -68,6 +68,8 @@ def _fleet_printer(console: Console, total: int):
     def on_event(kind: str, info: dict) -> None:
         if kind == "presence":
             console.print(f"  {info['device']} {'joined' if info['online'] else 'went offline'}")
+        elif kind == "resumed":
+            console.print(f"resuming at round {info['round']}")
         elif kind == "joined":
             console.print(f"{info['online']} devices online" + (f"; starting without {', '.join(info['missing'])}" if info["missing"] else ""))
         elif kind == "round":
@@ -122,6 +124,7 @@ def server(
     username: Annotated[Optional[str], typer.Option(help="MQTT username")] = None,
     password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate of a TLS broker")] = None,
+    resume: Annotated[bool, typer.Option(help="continue the interrupted run in --out from its last saved round")] = False,
 ) -> None:
     """Run the server half of a config over MQTT (the GPU server of a real fleet)."""
     import os
@@ -131,10 +134,15 @@ def server(
     from edgefl.rundir import RunDir
 
     cfg = load_config(config, set_, "demo")
-    run = RunDir.create(out_dir, cfg.name, cfg.seed)
+    if resume:
+        if out_dir is None:
+            raise EdgeflError("--resume needs --out: the run directory of the interrupted run")
+        run = RunDir(out_dir)
+    else:
+        run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
     summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds), username, os.environ.get(password_env),
-                    str(ca_file) if ca_file else None)
+                    str(ca_file) if ca_file else None, resume=resume)
     acc = summary["final_accuracy"]
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
 

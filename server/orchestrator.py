@@ -70,6 +70,8 @@ class FleetServer:
         self.state: RoundState | None = None
         self.on_event = on_event or (lambda kind, info: None)
         self.rejections: list[tuple[str, str]] = []  # (device, reason), every one
+        self.early: dict[str, tuple[Envelope, int]] = {}
+        self.last_round = 0  # the last round closed (restored on resume)
 
     # --- sending ------------------------------------------------------------------------------
     def _send(self, device: str, env: Envelope) -> int:
@@ -155,8 +157,13 @@ class FleetServer:
         if message.sender != device or message.round != env.round or message.message_id != env.message_id:
             self._reject(device, env, "the message inside disagrees with its envelope (sender, round or id)")
             return
-        current = st.round if st else 0
+        current = st.round if st else self.last_round
         if message.round > current:
+            if message.round <= self.cfg.rounds and message.round == current + 1:
+                # early: after a server restart, uploads queued in the broker can arrive before the
+                # round reopens; hold one per device and use it when the round starts
+                self.early[device] = (env, size)
+                return
             self._reject(device, env, f"round {message.round} has not started (current {current})")
             return
         if st is not None and message.round == current and device not in st.selected:
@@ -232,6 +239,10 @@ class FleetServer:
             env = st.downloads[device] = Envelope("download", self.topics.federation, r, "server", body, model_version=r, codec=codec)
             st.bytes_down[device] = self._send(device, env)
         self.on_event("round", {"round": r, "selected": selected})
+        for device, (early, size) in sorted(self.early.items()):
+            if early.round == r:
+                self._upload(device, early, size)
+        self.early = {}
         outcome = self._collect(st)
         if outcome == "failed":
             self.server.discard_round(r)
@@ -242,6 +253,7 @@ class FleetServer:
         self.history.append(record)
         self.on_event("closed", record)
         self.state = None
+        self.last_round = r
         return record
 
     def _collect(self, st: RoundState) -> str:

@@ -38,6 +38,8 @@ class DeviceRunner:
         self.downloads: dict[int, Envelope] = {}
         self.replies: dict[str, Envelope] = {}  # reply_to -> ack/nack
         self.done_rounds: list[int] = []
+        self.served: dict[int, Envelope] = {}  # round -> the upload sent for it (the last two rounds)
+        self.handled_downloads: set[str] = set()
         self.latest_round = 0
         self.finished = False
         self.results: dict[int, dict[str, Any]] = {}
@@ -66,7 +68,9 @@ class DeviceRunner:
                 return
             env = unpack(whole, self.net.max_message_bytes)
         if env.type == "download":
-            if env.round not in self.done_rounds:
+            # a second copy of a download already handled is ignored; a *new* download for a round
+            # already served (a restarted server reopening it) is answered with the same upload
+            if env.message_id not in self.handled_downloads:
                 self.downloads[env.round] = env
         elif env.type in ("ack", "nack") and env.reply_to:
             self.replies[env.reply_to] = env
@@ -132,9 +136,16 @@ class DeviceRunner:
             self.pump(0.5)
             for r in sorted(self.downloads):
                 env = self.downloads.pop(r)
-                upload = self.train(env)
+                self.handled_downloads.add(env.message_id)
+                if r in self.served:
+                    upload = self.served[r]  # trained already: the same upload, same id (a duplicate is harmless)
+                else:
+                    upload = self.served[r] = self.train(env)
+                    for old in [k for k in self.served if k < r - 1]:
+                        del self.served[old]
                 reply = self.deliver(upload)
-                self.done_rounds.append(r)
+                if r not in self.done_rounds:
+                    self.done_rounds.append(r)
                 self.results[r] = {"reply": None if reply is None else reply.type,
                                    "status": None if reply is None else reply.extra.get("status") or reply.extra.get("reason")}
                 if reply is not None and reply.type == "nack":

@@ -28,6 +28,7 @@ from edgefl.environment import machine, package_versions
 from edgefl.errors import ConfigError
 from edgefl.rundir import RunDir
 from edgefl.sim.setup import build_client, build_server, check_models_fit, device_slots, pooled, test_subset
+from edgefl.server.state import load_state, save_state
 from edgefl.transport.link import BrokerAddress, Link
 from edgefl.transport.topics import Topics
 
@@ -71,7 +72,7 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
 def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console | None = None,
           on_event: Callable[[str, dict[str, Any]], None] | None = None,
           username: str | None = None, password: str | None = None, ca_file: str | None = None,
-          join_timeout_s: float | None = None) -> dict[str, Any]:
+          join_timeout_s: float | None = None, resume: bool = False) -> dict[str, Any]:
     """Run the server side of ``cfg`` against the devices that join through ``broker``."""
     from edgefl.server.orchestrator import FleetServer
 
@@ -94,17 +95,25 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
              "federation": topics.federation, "versions": package_versions(), "machine": machine(),
              "dataset": {"name": ds.name, "source": ds.source, "train": len(ds.y_train), "test_used": len(y_test)},
              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if run_dir:
+    if run_dir and not resume:
         (run_dir.path / "config.toml").write_text(cfg.to_toml())
         run_dir.write_json("run.json", start)
     t0 = time.perf_counter()
     fleet = FleetServer(cfg, server, [s.client_id for s in slots], link, x_test, y_test, on_event)
+    first = 1
+    if resume:
+        first = _resume(cfg, server, fleet, run_dir)
+        if on_event:
+            on_event("resumed", {"round": first})
     try:
         fleet.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s)
-        for r in range(1, cfg.rounds + 1):
+        for r in range(first, cfg.rounds + 1):
             record = fleet.run_round(r)
             if run_dir:
                 run_dir.append_metrics({**record, "elapsed_s": round(time.perf_counter() - t0, 3)})
+                # after every round, so a restarted server resumes where this one stopped
+                save_state(server, run_dir.path / STATE_FILE, {"round": r, "config_sha256": _config_digest(cfg),
+                                                                "device_accuracy": fleet.device_accuracy})
         fleet.announce(cfg.rounds, {"done": True, "rounds": cfg.rounds})
     finally:
         link.stop()
@@ -187,6 +196,36 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
                 proc.kill()
         if local is not None:
             local.stop()
+
+
+STATE_FILE = "server-state.safetensors"
+
+
+def _config_digest(cfg: RunConfig) -> str:
+    import hashlib
+
+    return hashlib.sha256(cfg.to_toml().encode()).hexdigest()
+
+
+def _resume(cfg: RunConfig, server, fleet, run_dir: RunDir | None) -> int:
+    """Restore the server half and the fleet's history from the run directory; the next round."""
+    import json
+
+    if run_dir is None or not (run_dir.path / STATE_FILE).is_file():
+        raise ConfigError("nothing to resume: the run directory holds no server state",
+                          hint="pass the --out folder of the interrupted run, or drop --resume")
+    extra = load_state(server, run_dir.path / STATE_FILE)
+    if extra.get("config_sha256") != _config_digest(cfg):
+        raise ConfigError("the saved server state belongs to another config", hint="resume with the interrupted run's config.toml")
+    fleet.device_accuracy = dict(extra.get("device_accuracy") or {})
+    done = int(extra["round"])
+    fleet.last_round = done
+    metrics = run_dir.path / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    fleet.history = [h for h in lines if h["round"] <= done]
+    if len(lines) != len(fleet.history):  # a round recorded after the state was saved: rewrite without it
+        metrics.write_text("".join(json.dumps(h) + "\n" for h in fleet.history))
+    return done + 1
 
 
 def _packet_limit(cfg: RunConfig) -> int:
