@@ -72,6 +72,7 @@ class FleetServer:
         self.rejections: list[tuple[str, str]] = []  # (device, reason), every one
         self.early: dict[str, tuple[Envelope, int]] = {}
         self.last_round = 0  # the last round closed (restored on resume)
+        self._connects_seen = link.connect_count
 
     # --- sending ------------------------------------------------------------------------------
     def _send(self, device: str, env: Envelope) -> int:
@@ -213,6 +214,15 @@ class FleetServer:
             missing = self.reassembler.missing(device, env.extra["chunk"]["upload_id"])
         self._reply(device, env, "nack", reason=reason[:500], **({"missing": missing} if missing else {}))
 
+    def _check_reconnect(self) -> None:
+        """After the server's own reconnect (a broker restart) presence is unknown again: the next
+        "online" of a selected device that has not reported re-sends its download (the broker may
+        have lost it)."""
+        if self.link.connect_count != self._connects_seen:
+            self._connects_seen = self.link.connect_count
+            self.online = {}
+            self.on_event("reconnected", {"connects": self._connects_seen})
+
     # --- rounds -------------------------------------------------------------------------------
     def wait_for_devices(self, timeout_s: float) -> list[str]:
         """Before the first round: wait until every device is online (its subscription exists, so
@@ -272,6 +282,7 @@ class FleetServer:
                     continue
                 return "failed"
             item = self.link.get(min(remaining, 1.0))
+            self._check_reconnect()
             if item is not None:
                 self.handle(item.topic, item.payload)
             for device, upload_id, missing in self.reassembler.collect_stale():

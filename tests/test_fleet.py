@@ -457,3 +457,135 @@ def test_a_killed_server_resumes_where_it_stopped(tmp_path):
     fleet_final = json.loads(metrics.read_text().splitlines()[-1])["accuracy"]
     sim_final = Simulation(cfg, show_progress=False).run()["final_accuracy"]
     assert fleet_final["overall"] == sim_final["overall"]
+
+
+# --- faults ----------------------------------------------------------------------------------------
+def _run_with_fault(tmp_path, cfg, fault, devices=4, expect_devices_exit=True):
+    """Run ``cfg`` with its server in a thread, device processes, and a persistent mosquitto that
+    ``fault(event, info, broker_box)`` may stop and restart from the server's event stream."""
+    from edgefl.fleet.broker import start_mosquitto
+    from edgefl.fleet.launcher import serve
+
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    box = {"broker": start_mosquitto(tmp_path / "broker", persistence=True)}
+    url = box["broker"].url
+    procs = [_device(path, url, f"client-{i}", timeout=150) for i in range(devices)]
+    box["procs"] = procs
+    results: dict = {}
+    try:
+        wait_online(url, cfg.network.federation, [f"client-{i}" for i in range(devices)])
+
+        def on_event(kind, info):
+            fault(kind, info, box)
+
+        results["summary"] = serve(cfg, url, None, on_event=on_event, join_timeout_s=5)
+        if expect_devices_exit:
+            for p in procs:
+                p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        box["broker"].stop()
+    return results["summary"]
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["SIGTERM", "SIGKILL"])
+def test_a_broker_restarted_mid_round_does_not_break_the_run(tmp_path, kill):
+    from edgefl.fleet.broker import start_mosquitto
+    from edgefl.sim import Simulation
+
+    cfg = fleet_config("fedavg", rounds=2, round_deadline_s=90, ack_timeout_s=2, federation=f"restart-{int(kill)}")
+
+    def fault(kind, info, box):
+        if kind == "upload" and not box.get("restarted"):
+            box["restarted"] = True
+            old = box["broker"]
+
+            def restart():
+                old.stop(kill=kill)  # SIGKILL loses what was queued; SIGTERM saves it
+                time.sleep(1.0)
+                box["broker"] = start_mosquitto(old.config_path.parent, port=old.port, persistence=True)
+
+            threading.Thread(target=restart, daemon=True).start()
+
+    summary = _run_with_fault(tmp_path, cfg, fault)
+    assert [h["outcome"] for h in summary["history"]] == ["complete", "complete"]
+    assert summary["final_accuracy"]["overall"] == Simulation(cfg, show_progress=False).run()["final_accuracy"]["overall"]
+
+
+def test_a_frozen_device_goes_offline_by_its_last_will_and_the_round_closes_on_quorum(tmp_path):
+    import signal
+
+    cfg = fleet_config("fedavg", rounds=1, round_deadline_s=20, quorum=0.75, keepalive_s=2, federation="frozen")
+    seen = []
+
+    def fault(kind, info, box):
+        seen.append((kind, info.get("device"), info.get("online")))
+        if kind == "round":
+            box["procs"][3].send_signal(signal.SIGSTOP)  # frozen: no keep-alive, no upload
+
+    summary = _run_with_fault(tmp_path, cfg, fault, expect_devices_exit=False)
+    (h,) = summary["history"]
+    assert h["outcome"] == "deadline" and h["missing"] == ["client-3"]
+    assert ("presence", "client-3", False) in seen  # the broker published its last will
+
+
+def test_a_device_offline_when_its_round_starts_gets_the_queued_download(tmp_path):
+    from edgefl.sim import Simulation
+
+    cfg = fleet_config("fedavg", rounds=2, round_deadline_s=60, federation="offline")
+    path = tmp_path / "run.toml"
+
+    def fault(kind, info, box):
+        if kind == "closed" and info["round"] == 1:
+            victim = box["procs"][2]
+            victim.kill()  # gone before round 2 is announced...
+            victim.wait()
+            box["restart_at"] = time.monotonic() + 3
+
+            def back():
+                time.sleep(3)  # ...and back after its download was queued in its session
+                box["procs"][2] = _device(path, box["broker"].url, "client-2", timeout=120)
+
+            threading.Thread(target=back, daemon=True).start()
+
+    summary = _run_with_fault(tmp_path, cfg, fault)
+    assert [h["outcome"] for h in summary["history"]] == ["complete", "complete"]
+    assert summary["final_accuracy"]["overall"] == Simulation(cfg, show_progress=False).run()["final_accuracy"]["overall"]
+
+
+def test_a_hundred_connections_come_back_after_a_broker_restart(tmp_path):
+    from edgefl.fleet.broker import start_mosquitto
+
+    broker = start_mosquitto(tmp_path / "broker", persistence=True)
+    topics = Topics("herd")
+    links = [Link(BrokerAddress.parse(broker.url), f"herd-{i:03d}", [topics.down(f"d{i}")], topics.presence(f"d{i}")).start()
+             for i in range(100)]
+    try:
+        first = [link.connect_count for link in links]
+        broker.stop(kill=True)
+        time.sleep(0.5)
+        broker = start_mosquitto(tmp_path / "broker", port=broker.port, persistence=True)
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not all(link.connect_count > c for link, c in zip(links, first)):
+            time.sleep(0.2)
+        back = sum(link.connect_count > c for link, c in zip(links, first))
+        assert back == 100, f"{back} of 100 reconnected"
+    finally:
+        for link in links:
+            link.stop(offline=False)
+        broker.stop()
+
+
+def test_a_device_refuses_a_payload_larger_than_the_broker_takes(tmp_path):
+    from edgefl.errors import EdgeflError
+
+    with mosquitto(tmp_path) as broker:
+        link = Link(BrokerAddress.parse(broker), "small", [], None, max_packet_bytes=1 << 20).start()
+        try:
+            with pytest.raises(EdgeflError, match="refusing to publish"):
+                link.publish("edgefl/v1/x/dev/small/up", b"\0" * (2 << 20))
+        finally:
+            link.stop(offline=False)

@@ -62,7 +62,7 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-{device_id}",
                 [topics.down(device_id), topics.rounds], topics.presence(device_id),
                 username=username, password=password, ca_file=ca_file, protocol=cfg.network.protocol,
-                max_packet_bytes=_packet_limit(cfg)).start()
+                max_packet_bytes=_packet_limit(cfg), keepalive_s=cfg.network.keepalive_s).start()
     try:
         return DeviceRunner(cfg, client, link, x_test, y_test).run(timeout_s)
     finally:
@@ -90,7 +90,7 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     topics = Topics(federation(cfg))
     link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-server", [topics.all_up, topics.all_presence],
                 topics.presence("server"), username=username, password=password, ca_file=ca_file,
-                protocol=cfg.network.protocol, max_packet_bytes=_packet_limit(cfg)).start()
+                protocol=cfg.network.protocol, max_packet_bytes=_packet_limit(cfg), keepalive_s=cfg.network.keepalive_s).start()
     start = {"name": cfg.name, "method": cfg.method.name, "seed": cfg.seed, "runner": "fleet", "broker": broker,
              "federation": topics.federation, "versions": package_versions(), "machine": machine(),
              "dataset": {"name": ds.name, "source": ds.source, "train": len(ds.y_train), "test_used": len(y_test)},
