@@ -173,6 +173,7 @@ class NetworkSettings(Strict):
     ack_timeout_s: float = Field(10.0, gt=0, description="a device resends an upload not acknowledged within this")
     stale_upload_s: float = Field(120.0, gt=0, description="a partial chunked upload idle this long is dropped")
     protocol: Literal["5", "3.1.1"] = "5"
+    max_abs_value: float = Field(1e6, gt=0, description="uploads holding a larger magnitude are refused (weights, logits, features)")
     keepalive_s: int = Field(30, ge=1, description="MQTT keep-alive: a silent device is declared offline (last will) after 1.5x this")
 
     def quorum_count(self, selected: int) -> int:

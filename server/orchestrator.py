@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import RunConfig
 from edgefl.errors import PayloadError
@@ -33,6 +35,7 @@ from edgefl.transport.link import Link
 from edgefl.transport.topics import Topics
 
 log = logging.getLogger("edgefl.server")
+MAX_SAMPLES = 10**9
 
 
 @dataclass
@@ -48,6 +51,7 @@ class RoundState:
     bytes_up: dict[str, int] = field(default_factory=dict)
     bytes_down: dict[str, int] = field(default_factory=dict)
     downloads: dict[str, Envelope] = field(default_factory=dict)
+    accepted_ids: dict[str, str] = field(default_factory=dict)
     train_loss: dict[str, float] = field(default_factory=dict)
 
 
@@ -158,6 +162,10 @@ class FleetServer:
         if message.sender != device or message.round != env.round or message.message_id != env.message_id:
             self._reject(device, env, "the message inside disagrees with its envelope (sender, round or id)")
             return
+        problem = self._sanity(message, env)
+        if problem:
+            self._reject(device, env, problem)
+            return
         current = st.round if st else self.last_round
         if message.round > current:
             if message.round <= self.cfg.rounds and message.round == current + 1:
@@ -169,6 +177,10 @@ class FleetServer:
             return
         if st is not None and message.round == current and device not in st.selected:
             self._reject(device, env, f"{device} is not selected in round {current}")
+            return
+        if st is not None and message.round == current and st.reported.get(device) == "accepted" \
+                and message.message_id != st.accepted_ids.get(device):
+            self._reject(device, env, f"one accepted update per device per round: {device} already has one in round {current}")
             return
         try:
             receipt = self.server.receive(message)
@@ -188,12 +200,29 @@ class FleetServer:
             return
         if receipt.status == "accepted" or device not in st.reported:
             st.reported[device] = receipt.status
+            if receipt.status == "accepted":
+                st.accepted_ids[device] = message.message_id
             st.bytes_up[device] = st.bytes_up.get(device, 0) + size
             if message.meta.get("train_loss") is not None:
                 st.train_loss[device] = float(message.meta["train_loss"])
             if isinstance(message.meta.get("eval_accuracy"), float):
                 self.device_accuracy[device] = message.meta["eval_accuracy"]
             self.on_event("upload", {"device": device, "round": current, "status": receipt.status})
+
+    def _sanity(self, message, env: Envelope) -> str | None:
+        """Method-independent checks of a decoded upload: model version, sample count, values."""
+        if env.model_version != message.round:
+            return f"model version {env.model_version} does not match round {message.round}"
+        n = message.meta.get("num_samples")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_SAMPLES:
+            return f"num_samples must be an integer in 1..{MAX_SAMPLES}, got {n!r}"
+        for name, t in message.tensors.items():
+            if t.is_floating_point() and t.numel():
+                if not bool(torch.isfinite(t).all()):
+                    return f"{name} holds NaN or Inf"
+                if float(t.abs().max()) > self.net.max_abs_value:
+                    return f"{name} holds values beyond +-{self.net.max_abs_value:g}"
+        return None
 
     def _reject(self, device: str, env: Envelope | None, reason: str) -> None:
         log.warning("rejected from %s: %s", device, reason)

@@ -251,10 +251,13 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
         nan = {k: v.clone() for k, v in real.items()}
         next(t for t in nan.values() if t.is_floating_point()).fill_(float("nan"))
 
-        def upload(tensors, sender="client-1", round_no=1, body=None):
-            msg = Message("weights", round_no, sender, tensors or {}, {"num_samples": 10})
+        def upload(tensors, sender="client-1", round_no=1, body=None, num_samples=10, version=None):
+            msg = Message("weights", round_no, sender, tensors or {}, {"num_samples": num_samples})
             blob = encode(msg) if body is None else body
-            return pack(Envelope("upload", topics.federation, round_no, sender, blob, msg.message_id, codec="safetensors"))
+            return pack(Envelope("upload", topics.federation, round_no, sender, blob, msg.message_id, codec="safetensors",
+                                 model_version=round_no if version is None else version))
+
+        huge = {k: (v * 0 + 1e9 if v.is_floating_point() else v) for k, v in real.items()}
 
         bomb_header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}).encode()
         bomb = len(bomb_header).to_bytes(8, "little") + bomb_header + b"\0" * 16
@@ -268,6 +271,9 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
             upload(nan),
             upload(None, body=bomb),  # a header promising a terabyte
             upload(real, sender="client-2"),  # another device's name on this topic
+            upload(huge),  # finite but absurd
+            upload(real, num_samples=-5),
+            upload(real, version=7),  # built on a model version the server never had
         ]
         for blob in attempts:
             rogue.publish(topics.up("client-1"), blob)
@@ -291,7 +297,8 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
     history = results["summary"]["history"][0]
     assert history["outcome"] == "complete" and history["reported"] == ["client-0", "client-1", "client-2", "client-3"]
     reasons = " | ".join(nacks)
-    for fragment in ("bad magic", "truncated", "SHA-256", "NaN", "outside", "is not the topic's device", "expected"):
+    for fragment in ("bad magic", "truncated", "SHA-256", "NaN", "outside", "is not the topic's device", "expected",
+                     "beyond", "num_samples", "model version"):
         assert fragment in reasons, fragment
 
 
