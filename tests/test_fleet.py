@@ -596,3 +596,16 @@ def test_a_device_refuses_a_payload_larger_than_the_broker_takes(tmp_path):
                 link.publish("edgefl/v1/x/dev/small/up", b"\0" * (2 << 20))
         finally:
             link.stop(offline=False)
+
+
+def test_edgefl_fleet_command_runs_an_example_and_writes_its_run_directory(tmp_path):
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "fedhe_digits_quick.toml"
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "edgefl", "fleet", str(example), "--set", "rounds=1", "--set", "threads=1",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "round 1 complete" in res.stderr and "final accuracy" in res.stdout
+    assert json.loads((out / "summary.json").read_text())["runner"] == "fleet"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
