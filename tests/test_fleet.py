@@ -609,3 +609,58 @@ def test_edgefl_fleet_command_runs_an_example_and_writes_its_run_directory(tmp_p
     assert "round 1 complete" in res.stderr and "final accuracy" in res.stdout
     assert json.loads((out / "summary.json").read_text())["runner"] == "fleet"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_one_shot_fedmho_fleet_matches_its_simulation(tmp_path):
+    from edgefl.fleet.launcher import run_fleet
+    from edgefl.sim import Simulation
+    from tests.test_fedmho import fedmho_config
+
+    raw = fedmho_config("fedmho-sd")
+    raw["threads"] = 1
+    cfg = RunConfig.model_validate(raw)
+    sim = Simulation(cfg, show_progress=False).run()
+    fleet = run_fleet(cfg, None, None, device_timeout_s=120)
+    (h,) = fleet["history"]
+    assert h["outcome"] == "complete" and h["server"]["fused"]
+    assert fleet["final_accuracy"]["overall"] == sim["final_accuracy"]["overall"]
+
+
+def test_a_device_dying_mid_upload_leaves_a_partial_that_is_collected_and_the_round_closes(tmp_path):
+    """client-3 sends the first of its upload's chunks and dies (a raw connection that stops): the
+    server drops the stale partial upload, nacks it with the missing chunks, and closes on quorum."""
+    from edgefl.fleet.launcher import federation
+
+    cfg = fleet_config("fedavg", rounds=1, round_deadline_s=12, quorum=0.75, stale_upload_s=2, federation="midupload")
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    topics = Topics(federation(cfg))
+    seen = []
+    with mosquitto(tmp_path) as broker:
+        procs = [_device(path, broker, f"client-{i}") for i in range(3)]
+        wait_online(broker, topics.federation, ["client-0", "client-1", "client-2"])
+        dying = Link(BrokerAddress.parse(broker), "dying-3", [topics.down("client-3")], topics.presence("client-3")).start()
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(summary=__import__("edgefl.fleet.launcher", fromlist=["serve"]).serve(
+            cfg, broker, None, join_timeout_s=3, on_event=lambda k, i: seen.append((k, i)))), daemon=True)
+        t.start()
+        time.sleep(3)
+        msg = Message("weights", 1, "client-3", {"w": torch.zeros(600_000)}, {"num_samples": 10})
+        pieces = split(Envelope("upload", topics.federation, 1, "client-3", encode(msg), msg.message_id,
+                                model_version=1, codec="safetensors"), chunk_bytes=1 << 20)
+        assert len(pieces) == 3
+        dying.publish(topics.up("client-3"), pieces[0])
+        time.sleep(6)  # longer than stale_upload_s: the partial is collected
+        nacks = []
+        while (item := dying.get(0.2)) is not None:
+            env = unpack(item.payload, LIMIT)
+            if env.type == "nack":
+                nacks.append(env)
+        dying.stop(offline=False)
+        t.join(timeout=60)
+        for p in procs:
+            p.wait(timeout=30)
+    (h,) = results["summary"]["history"]
+    assert h["outcome"] == "deadline" and h["missing"] == ["client-3"]
+    stale = [n for n in nacks if n.reply_to == msg.message_id]
+    assert stale and stale[0].extra["missing"] == [1, 2]
