@@ -89,8 +89,8 @@ class Link:
         if presence_topic:
             self.client.will_set(presence_topic, b"offline", qos=1, retain=True)
         self.client.max_queued_messages_set(0)
-        # jittered back-off floor: 1-2 s, doubling to at most 30 s
-        self.client.reconnect_delay_set(min_delay=1 + int(random.Random(client_id).random() * 2), max_delay=30)
+        # jittered back-off floor: 1-3 s (fixed per client id), doubling to at most 30 s
+        self.client.reconnect_delay_set(min_delay=1 + random.Random(client_id).random() * 2, max_delay=30)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
