@@ -117,16 +117,8 @@ class FleetServer:
                 # (the device ignores a second copy of a round it has served)
                 self._send(device, st.downloads[device])
             return
-        try:
-            env = unpack(payload, self.net.max_message_bytes)
-        except PayloadError as exc:
-            self._reject(device, None, str(exc))
-            return
-        if env.sender != device:
-            self._reject(device, env, f"sender {env.sender!r} in the header is not the topic's device {device!r}")
-            return
-        if env.federation != self.topics.federation:
-            self._reject(device, env, f"federation {env.federation!r} is not {self.topics.federation!r}")
+        env = self._checked(device, payload, None)
+        if env is None:
             return
         if env.type == "chunk":
             try:
@@ -136,18 +128,29 @@ class FleetServer:
                 return
             if whole is None:
                 return
-            try:
-                env = unpack(whole, self.net.max_message_bytes)
-            except PayloadError as exc:
-                self._reject(device, env, str(exc))
-                return
-            if env.sender != device:
-                self._reject(device, env, f"sender {env.sender!r} inside a chunked upload is not {device!r}")
+            env = self._checked(device, whole, env)  # the reassembled upload goes through the same checks
+            if env is None:
                 return
         if env.type != "upload":
             self._reject(device, env, f"devices send uploads and chunks, not {env.type!r}")
             return
         self._upload(device, env, len(payload))
+
+    def _checked(self, device: str, data: bytes, carrier: Envelope | None) -> Envelope | None:
+        """Unpack and check an envelope's identity; on failure nack (answering ``carrier``, the
+        last chunk, when the data came in chunks) and return None."""
+        try:
+            env = unpack(data, self.net.max_message_bytes)
+        except PayloadError as exc:
+            self._reject(device, carrier, str(exc))
+            return None
+        if env.sender != device:
+            self._reject(device, env, f"sender {env.sender!r} in the header is not the topic's device {device!r}")
+            return None
+        if env.federation != self.topics.federation:
+            self._reject(device, env, f"federation {env.federation!r} is not {self.topics.federation!r}")
+            return None
+        return env
 
     def _upload(self, device: str, env: Envelope, size: int) -> None:
         st = self.state
@@ -174,6 +177,14 @@ class FleetServer:
                 self.early[device] = (env, size)
                 return
             self._reject(device, env, f"round {message.round} has not started (current {current})")
+            return
+        if message.round < 1:
+            self._reject(device, env, "rounds start at 1")
+            return
+        if st is None and not self.server.asynchronous:
+            # between rounds a synchronous server must not hold anything: it would count in the next round
+            self._reply(device, env, "ack", status="late", reason=f"round {message.round} is closed; not used")
+            self.on_event("late", {"device": device, "round": message.round, "status": "late"})
             return
         if st is not None and message.round == current and device not in st.selected:
             self._reject(device, env, f"{device} is not selected in round {current}")

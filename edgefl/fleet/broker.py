@@ -76,17 +76,24 @@ def start_mosquitto(workdir: Path, port: int | None = None, extra_config: str = 
     conf.write_text("\n".join(line for line in lines if line) + "\n" + extra_config)
     log = open(workdir / "mosquitto.log", "ab")
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+    _wait_listening(proc, port, timeout_s, "mosquitto", workdir / "mosquitto.log")
+    return LocalBroker(proc, port, conf)
+
+
+def _wait_listening(proc: subprocess.Popen, port: int, timeout_s: float, what: str, log: Path) -> None:
+    """Poll the port until the broker accepts connections; a broker that exits or never listens
+    is an error naming its log."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return LocalBroker(proc, port, conf)
+            return
         except OSError:
             if proc.poll() is not None:
-                raise EdgeflError(f"mosquitto exited at start: see {workdir / 'mosquitto.log'}") from None
+                raise EdgeflError(f"{what} exited at start: see {log}") from None
             time.sleep(0.05)
     proc.kill()
-    raise EdgeflError(f"mosquitto did not accept connections on port {port} within {timeout_s:g} s")
+    raise EdgeflError(f"{what} did not accept connections on port {port} within {timeout_s:g} s (log: {log})")
 
 
 def start_embedded(workdir: Path, port: int | None = None, timeout_s: float = 20.0) -> LocalBroker:
@@ -101,17 +108,8 @@ def start_embedded(workdir: Path, port: int | None = None, timeout_s: float = 20
     workdir.mkdir(parents=True, exist_ok=True)
     log = open(workdir / "embedded-broker.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "edgefl.fleet.embedded_broker", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return LocalBroker(proc, port, workdir / "embedded-broker.log")
-        except OSError:
-            if proc.poll() is not None:
-                raise EdgeflError(f"the embedded broker exited at start: see {workdir / 'embedded-broker.log'}") from None
-            time.sleep(0.1)
-    proc.kill()
-    raise EdgeflError(f"the embedded broker did not accept connections on port {port} within {timeout_s:g} s")
+    _wait_listening(proc, port, timeout_s, "the embedded broker", workdir / "embedded-broker.log")
+    return LocalBroker(proc, port, workdir / "embedded-broker.log")
 
 
 def _is_root() -> bool:
