@@ -66,7 +66,7 @@ case "$job" in
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     bench)
-        apt_install dataset-fashion-mnist
+        apt_install dataset-fashion-mnist mosquitto
         setup_venv
         name=${1:?usage: ./dev.sh bench NAME [options]}; shift
         exec "$VENV/bin/python" "bench/$name.py" "$@"
