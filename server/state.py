@@ -28,7 +28,7 @@ from edgefl.errors import PayloadError
 
 FORMAT = "edgefl-server-state/1"
 # rebuilt from the config, never restored from a file
-SKIP = {"clients", "options", "seed", "num_classes", "input_shape", "kind_of"}
+SKIP = {"clients", "options", "seed", "num_classes", "input_shape", "kind_of", "dataset"}
 
 
 class _Encoder:

@@ -248,3 +248,12 @@ def test_fedcvae_trains_a_server_model_no_device_runs(tmp_path):
     assert acc["per_client"] == {} and list(acc["per_arch"]) == [MLP_ARCH]
     assert acc["overall"] > 0.5
     assert (run.path / "synthetic-samples.png").exists()
+
+
+def test_server_training_defaults_follow_the_paper_per_dataset():
+    from edgefl.algorithms.fedmho import FedMHOOptions, global_training
+
+    assert global_training(FedMHOOptions(), "fashion-mnist") == (20, 5e-4)
+    assert global_training(FedMHOOptions(), "mnist") == (10, 1e-5)
+    assert global_training(FedMHOOptions(), "digits") == (20, 5e-4)  # not in the paper: Fashion's
+    assert global_training(FedMHOOptions(global_epochs=3, global_lr=0.1), "mnist") == (3, 0.1)

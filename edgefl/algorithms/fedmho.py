@@ -30,10 +30,15 @@ from edgefl.models.cvae import CVAE
 DECODER_PREFIX = "decoder."
 
 
+#: the paper's server training per dataset (Table III, authors' code): (epochs, Adam learning rate)
+GLOBAL_TRAINING = {"mnist": (10, 1e-5), "fashion-mnist": (20, 5e-4), "svhn": (20, 5e-5), "emnist": (30, 5e-5)}
+DEFAULT_GLOBAL_TRAINING = GLOBAL_TRAINING["fashion-mnist"]
+
+
 class _ServerFusionOptions(MethodOptions):
     synthetic_samples: int = Field(6000, ge=1, description="N: synthetic samples generated in total (N / C per class)")
-    global_epochs: int = Field(20, ge=0, description="server training epochs (paper: MNIST 10, Fashion 20, SVHN 20, EMNIST 30)")
-    global_lr: float = Field(5e-4, gt=0, description="server Adam learning rate (authors' code: Fashion 5e-4, MNIST 1e-5)")
+    global_epochs: int | None = Field(None, ge=0, description="server training epochs (default per dataset: MNIST 10, Fashion 20, SVHN 20, EMNIST 30; others 20)")
+    global_lr: float | None = Field(None, gt=0, description="server Adam learning rate (default per dataset: MNIST 1e-5, Fashion 5e-4, SVHN and EMNIST 5e-5; others 5e-4)")
     global_batch: int = Field(64, ge=1)
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the server generates and trains: auto = CUDA when present")
     preview_per_class: int = Field(5, ge=0, description="synthetic samples per class drawn in synthetic-samples.png (0: none)")
@@ -59,6 +64,13 @@ class FedMHOSDOptions(FedMHOOptions):
 class FedCVAEOptions(_ServerFusionOptions):
     global_model: str = Field("vgg9", description="zoo classifier the server trains from scratch on the synthetic set")
     global_model_options: dict = Field(default_factory=dict)
+
+
+def global_training(options: _ServerFusionOptions, dataset: str) -> tuple[int, float]:
+    """Server epochs and learning rate: the options when set, else the paper's for the dataset."""
+    epochs, lr = GLOBAL_TRAINING.get(dataset, DEFAULT_GLOBAL_TRAINING)
+    return (options.global_epochs if options.global_epochs is not None else epochs,
+            options.global_lr if options.global_lr is not None else lr)
 
 
 def is_generator(model: torch.nn.Module) -> bool:

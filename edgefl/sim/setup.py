@@ -202,7 +202,8 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
         for k, s in enumerate(slots)
     ]
     return method.server_class()(
-        infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape
+        infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape,
+        dataset=ds.name,
     )
 
 

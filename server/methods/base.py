@@ -74,8 +74,10 @@ class ServerHalf:
         seed: int,
         num_classes: int,
         input_shape: tuple[int, ...],
+        dataset: str = "",
     ) -> None:
         self.clients = {c.client_id: c for c in clients}
+        self.dataset = dataset  # its name: methods with per-dataset defaults (FedMHO) look it up
         self.options = options
         self.seed = seed
         self.num_classes = num_classes

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edgefl.algorithms.fedmho import DECODER_PREFIX, FedCVAEOptions, FedMHOOptions
+from edgefl.algorithms.fedmho import DECODER_PREFIX, FedCVAEOptions, FedMHOOptions, global_training
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
 from edgefl.models import build_model, get_spec
@@ -155,6 +155,7 @@ class FedMHOServer(_OneShotGenerativeServer):
     def close_round(self, round: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         opts = self.options
+        epochs, lr = global_training(opts, self.dataset)
         device = pick_device(opts.device)
         classifier_senders = sorted(s for s in self.pending if self.kind_of[s] == "classifier")
         generator_senders = [s for s in self.pending if self.kind_of[s] == "generator"]
@@ -162,7 +163,8 @@ class FedMHOServer(_OneShotGenerativeServer):
             self.pending = {}
             return {"fused": False, "reason": "no classifier client reported: FedMHO has nothing to initialise the global model from"}
         assert self.global_arch is not None
-        record: dict[str, Any] = {"fused": True, "fusion": opts.fusion, "lam": opts.lam, "device": str(device), "global_arch": self.global_arch}
+        record: dict[str, Any] = {"fused": True, "fusion": opts.fusion, "lam": opts.lam, "device": str(device), "global_arch": self.global_arch,
+                                  "global_epochs": epochs, "global_lr": lr}
 
         # knowledge of the classifier clients: w0 (Eq. 4, a plain average) and the teachers
         same_arch = [s for s in classifier_senders if self.clients[s].arch == self.global_arch]
@@ -195,7 +197,7 @@ class FedMHOServer(_OneShotGenerativeServer):
         if len(same_arch) < len(classifier_senders):
             # different classifier architectures cannot be averaged: distil their ensemble (section 5.6)
             ens = mean_logits(teachers, x, device)
-            distil = train_on_synthetic(global_model, x, y, ens, 0.0, epochs=opts.global_epochs, lr=opts.global_lr,
+            distil = train_on_synthetic(global_model, x, y, ens, 0.0, epochs=epochs, lr=lr,
                                         batch_size=opts.global_batch, generator=order, device=device)
             record["init"] += f", then ensemble distillation of {len(teachers)} classifiers ({distil.steps} steps)"
         teacher_logits = None
@@ -204,7 +206,7 @@ class FedMHOServer(_OneShotGenerativeServer):
         elif opts.fusion == "sd":
             teacher_logits = mean_logits([_frozen_copy(global_model)], x, device)
         lam = opts.lam if teacher_logits is not None else 1.0
-        stats = train_on_synthetic(global_model, x, y, teacher_logits, lam, epochs=opts.global_epochs, lr=opts.global_lr,
+        stats = train_on_synthetic(global_model, x, y, teacher_logits, lam, epochs=epochs, lr=lr,
                                    batch_size=opts.global_batch, generator=order, device=device)
         record.update(steps=stats.steps, loss_first_epoch=stats.first_loss, loss_last_epoch=stats.last_loss)
         self.global_state = {k: v.detach().cpu().clone() for k, v in global_model.state_dict().items()}
@@ -234,6 +236,7 @@ class FedCVAEServer(_OneShotGenerativeServer):
     def close_round(self, round: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         opts = self.options
+        epochs, lr = global_training(opts, self.dataset)
         device = pick_device(opts.device)
         if not self.pending:
             return {"fused": False, "reason": "no decoder reported"}
@@ -241,7 +244,7 @@ class FedCVAEServer(_OneShotGenerativeServer):
         self._keep_preview(x, y)
         torch.manual_seed(derive_seed(self.seed, "server-init", self.global_arch))
         model = self.build_global(self.global_arch)
-        stats = train_on_synthetic(model, x, y, None, 1.0, epochs=opts.global_epochs, lr=opts.global_lr,
+        stats = train_on_synthetic(model, x, y, None, 1.0, epochs=epochs, lr=lr,
                                    batch_size=opts.global_batch, generator=generator(self.seed, "fusion-order", round), device=device)
         self.global_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         self.pending = {}
