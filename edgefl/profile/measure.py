@@ -27,7 +27,10 @@ import torch
 from edgefl.errors import EdgeflError
 from edgefl.profile.schema import SCHEMA, DeviceProfile
 
-DEFAULT_MODELS = ["cnn-small", "lenet5", "fedhe-cnn-5", "resnet10:width=0.25", "resnet18:width=0.25", "vgg9:width=0.25", "cvae-small"]
+# one or two of every family the zoo has (plain CNNs, wide-map FedHe CNNs, basic and bottleneck
+# ResNets, VGG, both CVAEs): the host terms are fitted on these, so each kind of cost is seen
+DEFAULT_MODELS = ["cnn-small", "lenet5", "fedhe-cnn-0:width=0.5", "fedhe-cnn-5:width=0.5", "resnet10:width=0.25",
+                  "resnet18:width=0.25", "resnet50:width=0.25", "vgg9:width=0.25", "cvae-small", "cvae-large:width=0.5"]
 QUICK_MODELS = ["cnn-small", "cvae-small"]
 
 
