@@ -30,7 +30,7 @@ from edgefl.errors import PayloadError
 from edgefl.messages import decode, encode
 from edgefl.sim.setup import sample_clients
 from edgefl.transport.chunks import Reassembler, split
-from edgefl.transport.envelope import Envelope, pack, unpack
+from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
 from edgefl.transport.link import Link
 from edgefl.transport.topics import Topics
 
@@ -164,6 +164,10 @@ class FleetServer:
             return
         if message.sender != device or message.round != env.round or message.message_id != env.message_id:
             self._reject(device, env, "the message inside disagrees with its envelope (sender, round or id)")
+            return
+        declared = env.extra.get("tensors")
+        if declared is not None and declared != tensor_manifest(message.tensors):
+            self._reject(device, env, "the body's tensors (dtype or shape) differ from the header's 'tensors' manifest")
             return
         problem = self._sanity(message, env)
         if problem:

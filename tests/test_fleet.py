@@ -254,11 +254,18 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
         nan = {k: v.clone() for k, v in real.items()}
         next(t for t in nan.values() if t.is_floating_point()).fill_(float("nan"))
 
-        def upload(tensors, sender="client-1", round_no=1, body=None, num_samples=10, version=None):
+        def upload(tensors, sender="client-1", round_no=1, body=None, num_samples=10, version=None, manifest=None):
             msg = Message("weights", round_no, sender, tensors or {}, {"num_samples": num_samples})
             blob = encode(msg) if body is None else body
             return pack(Envelope("upload", topics.federation, round_no, sender, blob, msg.message_id, codec="safetensors",
-                                 model_version=round_no if version is None else version))
+                                 model_version=round_no if version is None else version,
+                                 extra={"tensors": manifest} if manifest is not None else {}))
+
+        from edgefl.transport.envelope import tensor_manifest
+
+        wrong_dtype = {k: (v.double() if v.is_floating_point() else v) for k, v in real.items()}
+        lying = tensor_manifest(real)
+        lying[next(iter(lying))][1] = [99]
 
         huge = {k: (v * 0 + 1e9 if v.is_floating_point() else v) for k, v in real.items()}
 
@@ -277,6 +284,8 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
             upload(huge),  # finite but absurd
             upload(real, num_samples=-5),
             upload(real, version=7),  # built on a model version the server never had
+            upload(wrong_dtype),  # float64 where the model has float32
+            upload(real, manifest=lying),  # the header's manifest disagrees with the body
         ]
         for blob in attempts:
             rogue.publish(topics.up("client-1"), blob)
@@ -302,7 +311,7 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
     assert history["outcome"] == "complete" and history["reported"] == ["client-0", "client-1", "client-2", "client-3"]
     reasons = " | ".join(nacks)
     for fragment in ("bad magic", "truncated", "SHA-256", "NaN", "outside", "is not the topic's device", "expected",
-                     "beyond", "num_samples", "model version", "rounds start at 1"):
+                     "beyond", "num_samples", "model version", "rounds start at 1", "float64", "manifest"):
         assert fragment in reasons, fragment
 
 

@@ -18,7 +18,7 @@ from edgefl.config import RunConfig
 from edgefl.errors import PayloadError
 from edgefl.messages import decode, encode
 from edgefl.transport.chunks import Reassembler, split
-from edgefl.transport.envelope import Envelope, unpack
+from edgefl.transport.envelope import Envelope, tensor_manifest, unpack
 from edgefl.transport.link import Incoming, Link
 from edgefl.transport.topics import Topics
 
@@ -91,7 +91,8 @@ class DeviceRunner:
         if self.x_test is not None and self.client.judged and (r % self.cfg.eval.every == 0 or r == self.cfg.rounds):
             message.meta["eval_accuracy"] = self.client.evaluate(self.x_test, self.y_test, self.cfg.eval.batch_size)
         return Envelope("upload", self.topics.federation, r, self.device, encode(message), message.message_id,
-                        model_version=env.model_version, codec="safetensors")
+                        model_version=env.model_version, codec="safetensors",
+                        extra={"tensors": tensor_manifest(message.tensors)})
 
     def deliver(self, env: Envelope, max_wait_s: float | None = None) -> Envelope | None:
         """Publish until answered; returns the ack/nack, or None when the run moved on or ended."""
