@@ -317,9 +317,7 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
 
 # --- broker-config ---------------------------------------------------------------------------------
 def _start_generated(made, tmp_path):
-    import shutil as _shutil
-
-    from edgefl.fleet.broker import mosquitto_binary
+    from edgefl.fleet.broker import _wait_listening, mosquitto_binary
 
     binary = mosquitto_binary()
     if binary is None:
@@ -327,16 +325,8 @@ def _start_generated(made, tmp_path):
     conf = tmp_path / "run.conf"
     conf.write_text(made.config.read_text() + "user root\n")  # the test runs as whoever runs it
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    import socket
-
     port = int(next(line.split()[1] for line in made.config.read_text().splitlines() if line.startswith("listener")))
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    del _shutil
+    _wait_listening(proc, port, 10, "mosquitto", conf)
     return proc, port
 
 
@@ -530,7 +520,9 @@ def test_a_broker_restarted_mid_round_does_not_break_the_run(tmp_path, kill):
 
             threading.Thread(target=restart, daemon=True).start()
 
-    summary = _run_with_fault(tmp_path, cfg, fault)
+    restarted = []
+    summary = _run_with_fault(tmp_path, cfg, lambda kind, info, box: (fault(kind, info, box), restarted.append(box.get("restarted"))))
+    assert any(restarted), "the broker was never restarted"
     assert [h["outcome"] for h in summary["history"]] == ["complete", "complete"]
     assert summary["final_accuracy"]["overall"] == Simulation(cfg, show_progress=False).run()["final_accuracy"]["overall"]
 
@@ -677,3 +669,50 @@ def test_a_device_dying_mid_upload_leaves_a_partial_that_is_collected_and_the_ro
     assert h["outcome"] == "deadline" and h["missing"] == ["client-3"]
     stale = [n for n in nacks if n.reply_to == msg.message_id]
     assert stale and stale[0].extra["missing"] == [1, 2]
+
+
+# --- command-line failure paths (no broker needed: each fails before connecting) -------------------
+def _edgefl(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "edgefl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_broker_config_writes_a_configuration_and_never_overwrites_one(tmp_path):
+    out = tmp_path / "broker"
+    res = _edgefl("broker-config", "--devices", "3", "--out", str(out), "--no-tls", "--federation", "lab")
+    assert res.returncode == 0, res.stderr
+    assert {"mosquitto.conf", "passwords", "acl", "credentials.csv"} <= {p.name for p in out.iterdir()}
+    assert "edgefl/v1/lab/dev/%u/up" in (out / "acl").read_text()
+    again = _edgefl("broker-config", "--devices", "3", "--out", str(out), "--no-tls")
+    assert again.returncode == 2 and "already holds a broker configuration" in again.stderr
+    bad = _edgefl("broker-config", "--devices", "0", "--out", str(tmp_path / "other"), "--no-tls")
+    assert bad.returncode == 2 and "at least 1" in bad.stderr
+    wild = _edgefl("broker-config", "--devices", "1", "--out", str(tmp_path / "w"), "--federation", "a/#")
+    assert wild.returncode == 2 and "federation 'a/#'" in wild.stderr and "Traceback" not in wild.stderr
+
+
+def test_cli_client_refuses_a_device_id_outside_the_fleet(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(fleet_config("fedavg").to_toml())
+    res = _edgefl("client", "--broker", "mqtt://127.0.0.1:9", "--config", str(path), "--device-id", "client-99")
+    assert res.returncode == 2 and "client-99" in res.stderr and "client-0 .. client-3" in res.stderr
+
+
+def test_cli_server_resume_needs_the_interrupted_run(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(fleet_config("fedavg").to_toml())
+    no_out = _edgefl("server", "--broker", "mqtt://127.0.0.1:9", "--config", str(path), "--resume")
+    assert no_out.returncode == 2 and "--resume needs --out" in no_out.stderr
+    (tmp_path / "empty").mkdir()
+    nothing = _edgefl("server", "--broker", "mqtt://127.0.0.1:9", "--config", str(path), "--resume", "--out", str(tmp_path / "empty"))
+    assert nothing.returncode == 2 and "nothing to resume" in nothing.stderr  # refused before any connection
+
+
+def test_cli_client_says_when_the_broker_is_unreachable(tmp_path):
+    from edgefl.fleet.broker import free_port
+
+    path = tmp_path / "run.toml"
+    path.write_text(fleet_config("fedavg").to_toml())
+    res = _edgefl("client", "--broker", f"mqtt://127.0.0.1:{free_port()}", "--config", str(path), "--device-id", "client-0")
+    assert res.returncode == 2 and "cannot reach the broker" in res.stderr
+    bad_url = _edgefl("client", "--broker", "http://x", "--config", str(path), "--device-id", "client-0")
+    assert bad_url.returncode == 2 and "expected mqtt://HOST:PORT" in bad_url.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from edgefl.errors import EdgeflError
 from edgefl.fleet.broker import MQTT_MAX_PACKET
-from edgefl.transport.topics import ROOT, check_name
+from edgefl.transport.topics import ROOT, check_name, device_ids
 
 SERVER_USER = "edgefl-server"
 
@@ -41,11 +41,6 @@ class BrokerConfig:
     credentials: Path
     certs: Path | None
     devices: list[str]
-
-
-def device_ids(count: int) -> list[str]:
-    width = len(str(count - 1))
-    return [f"client-{i:0{width}d}" for i in range(count)]
 
 
 def acl_text(federation: str) -> str:
@@ -142,7 +137,10 @@ def write_broker_config(directory: Path, devices: int, federation: str, port: in
                         hostname: str = "localhost", max_packet_bytes: int = (1 << 20) + (1 << 16)) -> BrokerConfig:
     if devices < 1:
         raise EdgeflError("--devices must be at least 1")
-    check_name(federation, "federation")
+    try:
+        check_name(federation, "federation")
+    except ValueError as exc:
+        raise EdgeflError(str(exc), hint="use the run's network.federation (a topic level, no '/', '+' or '#')") from None
     directory = directory.resolve()
     if (directory / "passwords").exists():
         raise EdgeflError(f"{directory} already holds a broker configuration",

@@ -30,7 +30,7 @@ from edgefl.rundir import RunDir
 from edgefl.sim.setup import build_client, build_server, check_models_fit, device_slots, pooled, test_subset
 from edgefl.server.state import load_state, save_state
 from edgefl.transport.link import BrokerAddress, Link
-from edgefl.transport.topics import Topics
+from edgefl.transport.topics import Topics, device_ids
 
 
 def _dataset(cfg: RunConfig):
@@ -84,9 +84,8 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     slots = device_slots(cfg, ds)
     check_models_fit(cfg, ds, slots)
     server = build_server(cfg, ds, slots)
-    if server.one_shot and cfg.rounds != 1:
-        raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round", hint="set rounds = 1")
     x_test, y_test = test_subset(cfg, ds)
+    restored = _restore(cfg, server, run_dir) if resume else None
     topics = Topics(federation(cfg))
     link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-server", [topics.all_up, topics.all_presence],
                 topics.presence("server"), username=username, password=password, ca_file=ca_file,
@@ -101,8 +100,11 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     t0 = time.perf_counter()
     fleet = FleetServer(cfg, server, [s.client_id for s in slots], link, x_test, y_test, on_event)
     first = 1
-    if resume:
-        first = _resume(cfg, server, fleet, run_dir)
+    if restored is not None:
+        extra, fleet.history = restored
+        fleet.device_accuracy = dict(extra.get("device_accuracy") or {})
+        fleet.last_round = int(extra["round"])
+        first = fleet.last_round + 1
         if on_event:
             on_event("resumed", {"round": first})
     try:
@@ -124,15 +126,9 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
                "bytes_down_total": sum(h["bytes_down"] for h in fleet.history), "wall_time_s": round(time.perf_counter() - t0, 3),
                "run_dir": str(run_dir.path) if run_dir else None}
     if run_dir:
-        base = {"num_classes": ds.num_classes, "dataset": ds.name, "class_names": list(ds.class_names), "round": cfg.rounds,
-                "method": cfg.method.name}
-        for arch, state in server.global_models().items():
-            model, options, shape = server.global_spec(arch)
-            from edgefl.sim.engine import safe_name
+        from edgefl.sim.engine import save_global_models
 
-            run_dir.save_model(f"global-{safe_name(arch)}", state, {**base, "arch": arch, "model": model, "model_options": options,
-                                                                  "scope": "global", "input_shape": list(shape)})
-        server.write_artifacts(run_dir.path)
+        save_global_models(run_dir, server, cfg, ds)
         run_dir.write_json("summary.json", summary)
     summary["history"] = fleet.history
     return summary
@@ -162,7 +158,7 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
         cfg = cfg.model_copy(update={"network": cfg.network.model_copy(update={"federation": cfg.network.federation or _fed_name(cfg)})})
     config_path = work / "config.toml"
     config_path.write_text(cfg.to_toml())
-    ids = _device_ids(cfg)
+    ids = device_ids(cfg.fleet.num_clients)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: dict[str, subprocess.Popen] = {}
     logs = work / "devices"
@@ -207,8 +203,9 @@ def _config_digest(cfg: RunConfig) -> str:
     return hashlib.sha256(cfg.to_toml().encode()).hexdigest()
 
 
-def _resume(cfg: RunConfig, server, fleet, run_dir: RunDir | None) -> int:
-    """Restore the server half and the fleet's history from the run directory; the next round."""
+def _restore(cfg: RunConfig, server, run_dir: RunDir | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Restore the server half from the run directory (before any connection is made); returns the
+    saved extras and the metrics of the rounds that state covers."""
     import json
 
     if run_dir is None or not (run_dir.path / STATE_FILE).is_file():
@@ -217,15 +214,13 @@ def _resume(cfg: RunConfig, server, fleet, run_dir: RunDir | None) -> int:
     extra = load_state(server, run_dir.path / STATE_FILE)
     if extra.get("config_sha256") != _config_digest(cfg):
         raise ConfigError("the saved server state belongs to another config", hint="resume with the interrupted run's config.toml")
-    fleet.device_accuracy = dict(extra.get("device_accuracy") or {})
     done = int(extra["round"])
-    fleet.last_round = done
     metrics = run_dir.path / "metrics.jsonl"
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    fleet.history = [h for h in lines if h["round"] <= done]
-    if len(lines) != len(fleet.history):  # a round recorded after the state was saved: rewrite without it
-        metrics.write_text("".join(json.dumps(h) + "\n" for h in fleet.history))
-    return done + 1
+    history = [h for h in lines if h["round"] <= done]
+    if len(lines) != len(history):  # a round recorded after the state was saved: rewrite without it
+        metrics.write_text("".join(json.dumps(h) + "\n" for h in history))
+    return extra, history
 
 
 def _packet_limit(cfg: RunConfig) -> int:
@@ -233,11 +228,6 @@ def _packet_limit(cfg: RunConfig) -> int:
     from edgefl.fleet.broker import MQTT_MAX_PACKET
 
     return min(max(cfg.network.chunk_bytes, cfg.network.chunk_threshold) + (1 << 16), MQTT_MAX_PACKET)
-
-
-def _device_ids(cfg: RunConfig) -> list[str]:
-    width = len(str(cfg.fleet.num_clients - 1))
-    return [f"client-{i:0{width}d}" for i in range(cfg.fleet.num_clients)]
 
 
 def _fed_name(cfg: RunConfig) -> str:

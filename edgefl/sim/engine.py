@@ -18,7 +18,6 @@ from edgefl.algorithms import ClientHalf
 from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import RunConfig
 from edgefl.data import Dataset, load_dataset
-from edgefl.errors import ConfigError
 from edgefl.environment import machine, package_versions
 from edgefl.messages import Message, decode, encode
 from edgefl.rundir import RunDir
@@ -106,8 +105,6 @@ class Simulation:
         check_models_fit(cfg, self.ds, self.slots)
         self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
         self.server = build_server(cfg, self.ds, self.slots)
-        if self.server.one_shot and cfg.rounds != 1:
-            raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round (rounds = {cfg.rounds})", hint="set rounds = 1")
         self.slot_of = {s.client_id: s for s in self.slots}
         self.x_test, self.y_test = test_subset(cfg, self.ds)
         self.history: list[dict[str, Any]] = []
@@ -291,14 +288,8 @@ class Simulation:
 
     def _save_models(self) -> None:
         assert self.run_dir is not None
-        base = {"num_classes": self.ds.num_classes, "input_shape": list(self.ds.input_shape), "class_names": list(self.ds.class_names),
-                "dataset": self.ds.name, "round": self.cfg.rounds, "method": self.cfg.method.name}
-        globals_ = self.server.global_models()
-        for arch, state in globals_.items():
-            model, options, shape = self.server.global_spec(arch)
-            meta = {**base, "arch": arch, "model": model, "model_options": options, "scope": "global", "input_shape": list(shape)}
-            self.run_dir.save_model(f"global-{safe_name(arch)}", state, meta)
-        self.server.write_artifacts(self.run_dir.path)
+        base = model_meta(self.cfg, self.ds)
+        globals_ = save_global_models(self.run_dir, self.server, self.cfg, self.ds)
         if not globals_:
             for cid, client in self.clients.items():
                 slot = next(s for s in self.slots if s.client_id == cid)
@@ -306,6 +297,25 @@ class Simulation:
                         "scope": "client", "client_id": cid, "input_shape": list(slot.input_shape(self.ds)),
                         "view": slot.group.view.model_dump(exclude_none=True) if slot.group.view else None}
                 self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
+
+
+def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
+    """What every saved model's metadata carries about the run (edgefl export reads it)."""
+    return {"num_classes": ds.num_classes, "input_shape": list(ds.input_shape), "class_names": list(ds.class_names),
+            "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
+
+
+def save_global_models(run_dir: RunDir, server, cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
+    """Write the server's global models and its artifacts (FedMHO's sample grid) into the run
+    directory; the same for a simulation and a fleet. Returns the global models written."""
+    globals_ = server.global_models()
+    for arch, state in globals_.items():
+        model, options, shape = server.global_spec(arch)
+        meta = {**model_meta(cfg, ds), "arch": arch, "model": model, "model_options": options, "scope": "global",
+                "input_shape": list(shape)}
+        run_dir.save_model(f"global-{safe_name(arch)}", state, meta)
+    server.write_artifacts(run_dir.path)
+    return globals_
 
 
 def safe_name(arch: str) -> str:

@@ -22,6 +22,7 @@ from edgefl.errors import ConfigError
 from edgefl.models import build_model, example_inputs
 from edgefl.profile.schema import DeviceProfile
 from edgefl.seeding import derive_seed
+from edgefl.transport.topics import device_ids
 
 #: hidden sizes a ``hidden = "random"`` MLP draws from (CHFL's randomly generated client MLPs)
 RANDOM_MLP_DEPTHS = (1, 2, 3)
@@ -113,12 +114,12 @@ def device_slots(cfg: RunConfig, ds: Dataset) -> list[DeviceSlot]:
     parts = partition(cfg, ds)
     frac = cfg.data.client_test_fraction
     slots, i = [], 0
-    width = len(str(cfg.fleet.num_clients - 1))
+    ids = device_ids(cfg.fleet.num_clients)
     for g, group in enumerate(cfg.fleet.groups):
         profile = load_profile(group.profile) if group.profile else None
         model, auto_options = (assign_group(cfg, ds, group, g, profile) if group.model == "auto" else (group.model, {}))
         for _ in range(group.count):
-            cid = f"client-{i:0{width}d}"
+            cid = ids[i]
             train_idx, test_idx = parts[i], None
             if frac is not None:
                 order = np.random.default_rng(derive_seed(cfg.seed, "client-test", cid)).permutation(parts[i])
@@ -201,7 +202,10 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
                    tuple(counts[k].tolist()), tuple(s.input_shape(ds)))
         for k, s in enumerate(slots)
     ]
-    return method.server_class()(
+    server_class = method.server_class()
+    if server_class.one_shot and cfg.rounds != 1:
+        raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round (rounds = {cfg.rounds})", hint="set rounds = 1")
+    return server_class(
         infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape,
         dataset=ds.name,
     )

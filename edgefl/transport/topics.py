@@ -16,6 +16,13 @@ def check_name(value: str, what: str) -> str:
     return value
 
 
+def device_ids(count: int) -> list[str]:
+    """The fleet's device ids, in group order: ``client-0`` .. (zero-padded to one width). The
+    simulation, the fleet launcher and ``edgefl broker-config`` all name devices this way."""
+    width = len(str(count - 1))
+    return [f"client-{i:0{width}d}" for i in range(count)]
+
+
 @dataclass(frozen=True)
 class Topics:
     federation: str
