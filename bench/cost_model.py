@@ -9,10 +9,10 @@ child process by ``edgefl device-profile``'s code:
 
 Three versions of the cost model side by side: *naive* (``3 x forward FLOPs x batch`` at one
 effective GFLOP/s, the median over the models; ``params x 16 + activations x batch`` for Adam),
-*two_term* (the earlier fit: per-layer overhead + arithmetic; a constant memory overhead) and
-*full* (``edgefl device-profile``'s current fit: per-layer, per-FLOP, per-parameter and
-per-activation-byte step costs; activations scaled by a fitted factor plus a constant memory
-overhead). The fits are calibrated on the models ``edgefl device-profile`` measures by default
+*four_term* (the previous session's fit: operators, all FLOPs, params, new-tensor bytes, each at
+one rate) and *full* (``edgefl device-profile``'s current fit: a fixed cost, operators,
+convolution FLOPs and matmul FLOPs at their own rates, random numbers drawn, bytes moved by
+memory-bound operators, params; memory: activations scaled by a fitted factor plus a constant). The fits are calibrated on the models ``edgefl device-profile`` measures by default
 (those of them this benchmark measures with the same options) and evaluated on every model.
 ``--from-results FILE`` re-evaluates saved measurements without measuring again. The target is
 within 25 % for both.
@@ -21,6 +21,7 @@ within 25 % for both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -29,7 +30,9 @@ from pathlib import Path
 import torch
 from common import save
 
-from edgefl.profile.cost import activation_bytes_per_sample, estimate, fit_step_model, freeze, layer_count
+import numpy as np
+
+from edgefl.profile.cost import _nonnegative_lstsq, estimate, fit_step_model, forward_stats, freeze
 from edgefl.profile.measure import DEFAULT_MODELS, ModelCandidate, measure_model
 
 MODELS = [
@@ -48,16 +51,27 @@ def measure(args) -> list[dict]:
         if "error" in m:
             print(f"{cand.label}: {m['error']}", flush=True)
             continue
-        frozen = freeze(cand.options)
         est = estimate(cand.name, cand.options, batch=args.batch, optimizer="adam")
         rows.append({"model": cand.label, "spec": text, "kind": est.kind, "flops": m["flops_per_sample"], "params": m["params"],
-                     "layers": layer_count(cand.name, frozen, (1, 28, 28), 10), "batch": args.batch,
-                     "activation_bytes": activation_bytes_per_sample(cand.name, frozen, (1, 28, 28), 10),
-                     "step_s": m["step_s"], "train_gflops": m["train_gflops"], "memory_measured": m["train_memory_bytes"],
+                     "batch": args.batch, "memory_method": m.get("memory_method", "rss"), "optimizer_s": m["optimizer_s"], "step_s": m["step_s"], "train_gflops": m["train_gflops"], "memory_measured": m["train_memory_bytes"],
                      "memory_naive": est.train_memory_bytes})
         print(f"measured {cand.label:28s} step {m['step_s'] * 1000:8.1f} ms  {m['train_gflops']:6.2f} GFLOP/s  "
               f"memory {m['train_memory_bytes'] / 2**20:7.1f} MiB (elapsed {time.perf_counter() - t0:.0f}s)", flush=True)
     return rows
+
+
+def four_term_columns(r: dict) -> list[float]:
+    """The previous session's form: operators, all FLOPs, params, new-tensor bytes, one rate each."""
+    st = r["stats"]
+    return [st.operators, 3 * r["flops"] * r["batch"], r["params"], st.new_bytes * r["batch"]]
+
+
+def fit_four_term(rows: list[dict]) -> np.ndarray:
+    a = np.array([four_term_columns(r) for r in rows], dtype=float)
+    t = np.array([r["step_s"] for r in rows])
+    scale = a.max(0)
+    scale[scale == 0] = 1
+    return _nonnegative_lstsq(a / scale / t[:, None], np.ones(len(rows))) / scale
 
 
 def main() -> None:
@@ -71,48 +85,44 @@ def main() -> None:
     args = ap.parse_args()
     if args.from_results:
         rows = json.loads(args.from_results.read_text())["rows"]
-        # re-derive the model statistics with the current cost model (the measurements stay)
-        for r in rows:
-            cand = ModelCandidate.parse(r["spec"])
-            frozen = freeze(cand.options)
-            r["layers"] = layer_count(cand.name, frozen, (1, 28, 28), 10)
-            r["activation_bytes"] = activation_bytes_per_sample(cand.name, frozen, (1, 28, 28), 10)
     else:
         rows = measure(args)
+    for r in rows:  # the model statistics come from the current cost model (the measurements stay)
+        cand = ModelCandidate.parse(r["spec"])
+        r["stats"] = forward_stats(cand.name, freeze(cand.options), (1, 28, 28), 10)
     batch = rows[0]["batch"]
     effective = statistics.median(r["train_gflops"] for r in rows)
     calibration = [r for r in rows if r["spec"] in args.calibrate_on]
-    old_keys = ("layers", "flops", "batch", "step_s", "memory_measured", "memory_naive")
-    two_term = fit_step_model([{k: r[k] for k in old_keys} for r in calibration])
+    four_term = fit_four_term(calibration)
     fit = fit_step_model(calibration)
     print(f"\nnaive: effective {effective:.2f} GFLOP/s (median over {len(rows)} models)")
-    print(f"two-term fit on {len(calibration)} models: {two_term.effective_gflops:.2f} GFLOP/s, {two_term.layer_overhead_us:.1f} us/layer, "
-          f"{two_term.memory_overhead_bytes / 2**20:.1f} MiB")
-    print(f"full fit on {len(calibration)} models: {fit.effective_gflops:.2f} GFLOP/s, {fit.layer_overhead_us:.1f} us/layer, "
-          f"{fit.param_overhead_ns:.3f} ns/param, {fit.activation_ns_per_byte:.4f} ns/activation byte; memory: activations "
-          f"x{fit.activation_factor:.2f} + {fit.memory_overhead_bytes / 2**20:.1f} MiB\n")
-    keys = ("naive", "two_term", "full")
-    print(f"{'model':28s} {'step':>9s} " + " ".join(f"{k:>8s}" for k in keys) + f" {'memory':>9s} " + " ".join(f"{k:>8s}" for k in keys))
+    print(f"full fit on {len(calibration)} models: " + ", ".join(f"{k} {v:.4g}" for k, v in vars(fit).items()) + "\n")
+    keys = ("naive", "four_term", "full")
+    print(f"{'model':28s} {'step':>9s} " + " ".join(f"{k:>9s}" for k in keys) + f" {'memory':>9s} " + " ".join(f"{k:>9s}" for k in keys))
     within = {f"{what}_{k}": 0 for what in ("time", "memory") for k in keys}
     for r in rows:
-        work = 3 * r["flops"] * batch
-        r["step_naive"] = work / (effective * 1e9)
-        r["step_two_term"] = r["layers"] * two_term.layer_overhead_us * 1e-6 + work / (two_term.effective_gflops * 1e9)
-        r["step_full"] = fit.step_seconds(r["flops"], batch, r["layers"], r["params"], r["activation_bytes"])
-        r["memory_two_term"] = r["memory_naive"] + two_term.memory_overhead_bytes
-        r["memory_full"] = fit.memory_bytes(r["params"], 8, r["activation_bytes"], batch)
+        st = r["stats"]
+        r["step_naive"] = 3 * r["flops"] * batch / (effective * 1e9)
+        r["step_four_term"] = float(np.dot(four_term_columns(r), four_term))
+        r["step_full"] = fit.step_seconds(st, r["params"], batch)
+        r["memory_naive"] = r["params"] * 16 + st.new_bytes * batch
+        r["memory_four_term"] = fit.memory_bytes(r["params"], 8, dataclasses.replace(st, largest_param_bytes=0), batch)
+        r["memory_full"] = fit.memory_bytes(r["params"], 8, st, batch)
         for key in keys:
             r[f"time_error_{key}"] = r[f"step_{key}"] / r["step_s"] - 1
             r[f"memory_error_{key}"] = r[f"memory_{key}"] / r["memory_measured"] - 1
             within[f"time_{key}"] += abs(r[f"time_error_{key}"]) <= 0.25
             within[f"memory_{key}"] += abs(r[f"memory_error_{key}"]) <= 0.25
-        print(f"{r['model']:28s} {r['step_s'] * 1000:7.1f}ms " + " ".join(f"{r[f'time_error_{k}']:+8.0%}" for k in keys)
-              + f" {r['memory_measured'] / 2**20:7.1f}Mi " + " ".join(f"{r[f'memory_error_{k}']:+8.0%}" for k in keys))
+        print(f"{r['model']:28s} {r['step_s'] * 1000:7.1f}ms " + " ".join(f"{r[f'time_error_{k}']:+9.0%}" for k in keys)
+              + f" {r['memory_measured'] / 2**20:7.1f}Mi " + " ".join(f"{r[f'memory_error_{k}']:+9.0%}" for k in keys))
+        r["stats"] = vars(st)
     n = len(rows)
     print("\nwithin 25 %: step time " + ", ".join(f"{k} {within[f'time_{k}']}/{n}" for k in keys)
           + "; memory " + ", ".join(f"{k} {within[f'memory_{k}']}/{n}" for k in keys))
+    worst = max(rows, key=lambda r: abs(r["time_error_full"]))
+    print(f"largest full-fit time error: {worst['model']} {worst['time_error_full']:+.1%}")
     path = save("cost_model", {"args": {k: str(v) for k, v in vars(args).items()}, "effective_gflops_median": effective,
-                               "fit_two_term": vars(two_term), "fit": vars(fit), "rows": rows, "within_25pct": within})
+                               "fit_four_term": list(four_term), "fit": vars(fit), "rows": rows, "within_25pct": within})
     print(f"wrote {path}")
 
 

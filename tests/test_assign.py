@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from edgefl.models import model_info
 from edgefl.profile import DeviceProfile, catalog
 from edgefl.profile.assign import Budgets, assign
-from edgefl.profile.cost import OPTIMIZER_STATE_BYTES, activation_bytes_per_sample, estimate
+from edgefl.profile.cost import (OPTIMIZER_STATE_BYTES, ForwardStats, StepFit, activation_bytes_per_sample, estimate,
+                                 fit_step_model, forward_stats)
+from edgefl.profile.schema import Quantity
 from tests.test_cli import edgefl
 
 LADDER = [("vgg9", {}), ("lenet5", {}), ("cnn-small", {}), ("cvae-small", {})]
@@ -91,17 +94,37 @@ def test_cli_assign_prints_every_candidate_and_refuses_with_exit_1():
     assert res.returncode == 2 and "did you mean 'pi4-4gb'" in res.stderr
 
 
-def test_step_model_fit_recovers_known_host_terms():
-    from edgefl.profile.cost import fit_step_model
+HOST = StepFit(step_overhead_us=500, layer_overhead_us=3, conv_overhead_us=300, conv_gflops=250, linear_gflops=90,
+               random_ns_per_element=10, traffic_ns_per_byte=0.08, tensor_overhead_us=15, param_overhead_ns=1.5,
+               activation_factor=1.6, memory_overhead_bytes=11e6, largest_tensor_factor=2.5)
 
-    def row(layers, flops, mem_naive):
-        return {"layers": layers, "flops": flops, "batch": 32, "step_s": layers * 40e-6 + 3 * flops * 32 / 25e9,
-                "memory_measured": mem_naive + 8e6, "memory_naive": mem_naive}
 
-    fit = fit_step_model([row(10, 1e6, 1e6), row(60, 5e7, 4e7), row(30, 2e8, 2e7)])
-    assert fit.effective_gflops == pytest.approx(25, rel=1e-6)
-    assert fit.layer_overhead_us == pytest.approx(40, rel=1e-6)
-    assert fit.memory_overhead_bytes == pytest.approx(8e6)
+def synthetic_rows(n: int = 14, staged: bool = True) -> list[dict]:
+    """Steps a host with the terms of HOST would measure, for varied made-up models."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(n):
+        stats = ForwardStats(operators=int(rng.integers(10, 300)), conv_operators=int(rng.integers(0, 50)),
+                             conv_flops=float(rng.uniform(0, 1e7)), linear_flops=float(rng.uniform(0, 2e7)),
+                             random_elements=float(rng.uniform(0, 1e5)), traffic_bytes=float(rng.uniform(1e4, 1e7)),
+                             new_bytes=float(rng.uniform(1e4, 3e6)), param_tensors=int(rng.integers(4, 160)),
+                             largest_param_bytes=int(rng.uniform(1e4, 2e7)))
+        params = int(rng.uniform(1e4, 5e6))
+        optimizer = (HOST.step_overhead_us * 0.2 + stats.param_tensors * HOST.tensor_overhead_us) * 1e-6 + params * HOST.param_overhead_ns * 1e-9
+        rows.append({"stats": stats, "params": params, "batch": 32, "step_s": HOST.step_seconds(stats, params, 32),
+                     "memory_measured": HOST.memory_bytes(params, 8, stats, 32),
+                     **({"optimizer_s": optimizer} if staged else {})})
+    return rows
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["optimizer-timed-apart", "one-stage"])
+def test_step_model_fit_recovers_known_host_terms(staged):
+    rows = synthetic_rows(staged=staged)
+    fit = fit_step_model(rows)
+    for key, value in vars(HOST).items():
+        assert getattr(fit, key) == pytest.approx(value, rel=1e-3), key
+    r = rows[3]
+    assert fit.step_seconds(r["stats"], r["params"], 32) == pytest.approx(r["step_s"], rel=1e-6)
 
 
 def test_profile_overheads_enter_the_estimate():
@@ -112,25 +135,37 @@ def test_profile_overheads_enter_the_estimate():
     a = estimate("lenet5", profile=base, batch=32, samples=64)
     b = estimate("lenet5", profile=tuned, batch=32, samples=64)
     assert b.train_memory_bytes - a.train_memory_bytes == 5_000_000
-    # 2 steps x 16 forward operators (LeNet-5: 2 conv, 3 addmm, 4 relu_, 2 pools, transposes...) x 100 us
-    assert b.compute_s - a.compute_s == pytest.approx(2 * 16 * 100e-6)
+    # 2 steps x 15 forward operators (LeNet-5: 2 conv, 3 addmm, 4 relu_, 2 pools, 3 transposes, 1 view) x 100 us
+    assert b.compute_s - a.compute_s == pytest.approx(2 * 15 * 100e-6)
 
 
-def test_full_step_model_fit_recovers_per_parameter_cost_and_activation_factor():
-    from edgefl.profile.cost import fit_step_model
+def test_a_measured_profile_estimates_with_its_full_step_fit():
+    profile = board(1e9, gflops=10.0)
+    measured = {"kind": "measured", "source": "t"}
+    for key in ("step_overhead_us", "layer_overhead_us", "conv_overhead_us", "conv_gflops", "linear_gflops",
+                "random_ns_per_element", "traffic_ns_per_byte", "tensor_overhead_us", "param_overhead_ns"):
+        setattr(profile.compute, key, Quantity(value=getattr(HOST, key), **measured))
+    for key, attr in (("activation_factor", "activation_factor"), ("step_overhead_bytes", "memory_overhead_bytes"),
+                      ("largest_tensor_factor", "largest_tensor_factor")):
+        setattr(profile.memory, key, Quantity(value=getattr(HOST, attr), **measured))
+    assert StepFit.from_profile(profile) == HOST
+    stats = forward_stats("vgg9", (), (1, 28, 28), 10)
+    assert stats.conv_operators == 4 and stats.param_tensors == 14 and stats.random_elements > 0
+    info = model_info("vgg9")
+    e = estimate("vgg9", profile=profile, batch=32, samples=100, optimizer="adam")
+    assert e.compute_s == pytest.approx(4 * HOST.step_seconds(stats, info.params, 32))  # 100 samples: 4 steps of 32
+    assert e.train_memory_bytes == int(HOST.memory_bytes(info.params, 8, stats, 32))
+    # an SGD estimate holds no optimizer state
+    assert estimate("vgg9", profile=profile, batch=32, optimizer="sgd").train_memory_bytes == pytest.approx(
+        e.train_memory_bytes - 8 * info.params, abs=1)
 
-    def row(layers, flops, params, act):
-        return {"layers": layers, "flops": flops, "params": params, "activation_bytes": act, "batch": 32,
-                "step_s": layers * 40e-6 + 3 * flops * 32 / 25e9 + params * 2e-9 + act * 32 * 0.5e-9,
-                "memory_measured": params * 16 + 1.5 * act * 32 + 8e6}
 
-    rows = [row(10, 1e6, 5e4, 2e4), row(60, 5e7, 1e6, 4e5), row(30, 2e8, 3e5, 1e6), row(20, 3e7, 5e7, 1e5), row(8, 4e6, 2e4, 3e6)]
-    fit = fit_step_model(rows)
-    assert fit.effective_gflops == pytest.approx(25, rel=1e-4)
-    assert fit.layer_overhead_us == pytest.approx(40, rel=1e-4)
-    assert fit.param_overhead_ns == pytest.approx(2, rel=1e-4)
-    assert fit.activation_ns_per_byte == pytest.approx(0.5, rel=1e-4)
-    assert fit.activation_factor == pytest.approx(1.5, rel=1e-4)
-    assert fit.memory_overhead_bytes == pytest.approx(8e6, rel=1e-4)
-    r = rows[3]
-    assert fit.step_seconds(r["flops"], 32, r["layers"], r["params"], r["activation_bytes"]) == pytest.approx(r["step_s"], rel=1e-6)
+def test_operator_statistics_sort_work_by_kind():
+    """Dropout draws one random number per element; a CVAE's noise too; residual additions are
+    in place (no new bytes) but move memory; a transposed convolution counts as a convolution."""
+    fedhe = forward_stats("fedhe-cnn-0", (), (1, 28, 28), 10)
+    assert fedhe.random_elements > 1000 and fedhe.conv_operators == 2
+    resnet = forward_stats("resnet10", (), (1, 28, 28), 10)
+    assert resnet.random_elements == 0 and resnet.traffic_bytes > resnet.new_bytes > 0
+    cvae = forward_stats("cvae-large", (), (1, 28, 28), 10)
+    assert cvae.conv_flops > 0 and cvae.linear_flops > 0 and cvae.random_elements > 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 
 import pytest
 
 from edgefl.errors import EdgeflError
 from edgefl.profile import load_profile
+from edgefl.profile.cost import StepFit, estimate, forward_stats
 from edgefl.profile.measure import ModelCandidate, broker_round_trip, matmul_gflops, measure_model
 from tests.mosquitto import free_port, mosquitto
 from tests.test_cli import edgefl
@@ -46,14 +48,22 @@ def test_candidate_parsing():
 
 def test_cli_quick_profile_writes_a_loadable_measured_profile(tmp_path):
     out = tmp_path / "host.toml"
-    res = edgefl("device-profile", "--quick", "--models", "cnn-small", "--out", str(out), "--id", "test-host")
+    res = edgefl("device-profile", "--quick", "--models", "cnn-small,lenet5,cvae-small", "--out", str(out), "--id", "test-host")
     assert res.returncode == 0, res.stderr
     assert "training step" in res.stdout and "cnn-small" in res.stdout
     p = load_profile(out)
     assert p.id == "test-host"
     for q in (p.cpu.cores, p.memory.ram_bytes, p.memory.storage_bytes, p.compute.matmul_gflops, p.compute.effective_gflops):
         assert q.kind == "measured" and q.value > 0 and "edgefl device-profile" in q.source
-    assert p.measurements["models"][0]["train_memory_bytes"] > 0
+    m = p.measurements["models"][0]
+    assert m["train_memory_bytes"] > 0 and 0 < m["optimizer_s"] < m["step_s"]
+    if sys.platform == "linux":  # anonymous memory: file-backed library pages vary with the page cache
+        assert m["memory_method"] == "RssAnon"
+    # three models are enough for the full step fit, and estimates on this profile use it
+    fit = StepFit.from_profile(p)
+    assert fit is not None and p.compute.conv_gflops.kind == "measured"
+    e = estimate("lenet5", profile=p, batch=32, samples=64)
+    assert e.compute_s == pytest.approx(2 * fit.step_seconds(forward_stats("lenet5", (), (1, 28, 28), 10), e.params, 32))
 
 
 def test_broker_round_trip_against_real_mosquitto(tmp_path):

@@ -1,15 +1,23 @@
 """One model's training-step measurement, run as its own process.
 
 ``python -m edgefl.profile.child '{"model": "resnet18", "options": {...}, "batch": 32, ...}'``
-prints one JSON object. A separate process gives a clean peak: the RSS before the model is
-built is the baseline, a 1 ms sampling thread and ``ru_maxrss`` give the peak, and nothing the
-parent allocated counts. Results travel as JSON on stdout, never pickled.
+prints one JSON object. A separate process gives a clean peak: the resident memory before the
+model is built is the baseline, a 1 ms sampling thread gives the peak, and nothing the parent
+allocated counts. Results travel as JSON on stdout, never pickled.
+
+On Linux the training memory is the *anonymous* resident memory (``RssAnon`` in
+``/proc/self/status``: tensors, the allocator's pools, Python objects). The file-backed part of
+the RSS is library code paged in as new kernels run for the first time; how much of it a fault
+maps depends on what the page cache already holds (the kernel maps pages around a fault when
+they are cached), so it varied by 20 MiB between identical runs of CVAE-small. Where that
+breakdown is not readable (macOS, Windows) the whole RSS is used, plus ``ru_maxrss``.
 """
 
 from __future__ import annotations
 
 import json
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -19,19 +27,39 @@ import torch
 from torch.nn import functional as F
 
 
+def anonymous_rss() -> int | None:
+    """This process's anonymous resident bytes (Linux), None where the kernel does not say."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
 class RssSampler:
-    """Samples the process RSS every ``interval`` seconds and keeps the maximum."""
+    """Samples the process's resident memory every ``interval`` seconds and keeps the maximum:
+    anonymous memory where Linux reports it (``method = "RssAnon"``), else the RSS."""
 
     def __init__(self, interval: float = 0.001) -> None:
         self.proc = psutil.Process()
         self.interval = interval
-        self.peak = self.proc.memory_info().rss
+        self.method = "RssAnon" if anonymous_rss() is not None else "rss"
+        self.baseline = self.read()
+        self.peak = self.baseline
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def read(self) -> int:
+        if self.method == "RssAnon":
+            return anonymous_rss() or 0
+        return self.proc.memory_info().rss
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.peak = max(self.peak, self.read())
             time.sleep(self.interval)
 
     def __enter__(self) -> RssSampler:
@@ -41,7 +69,7 @@ class RssSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.peak = max(self.peak, self.read())
 
 
 def _warm_up_runtime(device: torch.device) -> None:
@@ -75,48 +103,61 @@ def measure(spec: dict) -> dict:
             model.parameters(), lr=0.01, momentum=0.9)
         conditional = getattr(model, "conditional", False)
 
-        def step() -> None:
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        def step() -> float:
+            """One training step; returns the seconds the optimizer part took (zero_grad + step),
+            which the cost model fits apart from the forward and backward passes."""
+            t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
+            t_opt = time.perf_counter() - t0
             if conditional:
                 recon, mu, logvar = model(*inputs)
                 loss = model.loss(recon, inputs[0], mu, logvar)
             else:
                 loss = F.cross_entropy(model(*inputs), y)
             loss.backward()
+            sync()
+            t1 = time.perf_counter()
             opt.step()
+            sync()
+            return t_opt + time.perf_counter() - t1
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
         step()  # warm-up: allocator, kernels, optimizer state
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        model.eval()
-        with torch.no_grad():
+        step()  # the peak: a second step holds the optimizer state and a full autograd graph
+        sync()
+    # Timed after the sampler has stopped: its thread, waking every millisecond, took CPU time
+    # from the training threads and made step times vary between runs of the same model.
+    times, optimizer_times = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        optimizer_times.append(step())
+        times.append(time.perf_counter() - t0)
+    model.eval()
+    with torch.no_grad():
+        model(*inputs)
+        t0 = time.perf_counter()
+        for _ in range(max(1, steps // 2)):
             model(*inputs)
-            t0 = time.perf_counter()
-            for _ in range(max(1, steps // 2)):
-                model(*inputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            infer = (time.perf_counter() - t0) / max(1, steps // 2)
-    times.sort()
-    step_s = times[len(times) // 2]
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        sync()
+        infer = (time.perf_counter() - t0) / max(1, steps // 2)
+    step_s = statistics.median(times)
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    # ru_maxrss is the whole RSS: it bounds the peak only where the whole RSS is what is sampled
+    peak = max(sampler.peak, maxrss) if sampler.method == "rss" else sampler.peak
     out = {
         "model": spec["model"], "options": spec.get("options", {}), "batch": batch, "params": params,
-        "flops_per_sample": flops, "step_s": step_s, "step_s_all": times,
+        "flops_per_sample": flops, "step_s": step_s, "step_s_all": times, "optimizer_s": statistics.median(optimizer_times),
         "train_gflops": 3 * flops * batch / step_s / 1e9,
         "infer_s_per_sample": infer / batch,
-        "runtime_bytes": baseline - imported, "baseline_rss_bytes": baseline, "peak_rss_bytes": max(sampler.peak, maxrss),
-        "train_memory_bytes": max(sampler.peak, maxrss) - baseline,
+        "runtime_bytes": baseline - imported, "baseline_rss_bytes": baseline, "peak_rss_bytes": maxrss,
+        "memory_method": sampler.method, "baseline_memory_bytes": sampler.baseline, "peak_memory_bytes": peak,
+        "train_memory_bytes": peak - sampler.baseline,
         "param_bytes": params * 4,
     }
     if device.type == "cuda":

@@ -7,6 +7,7 @@ read is ``unknown``. Per-model training costs are measured in a child process ea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -92,17 +93,16 @@ def matmul_gflops(n: int, seconds: float, device: torch.device) -> float:
 
 
 def fit_host(measured: list[dict[str, Any]], batch: int, input_shape: tuple[int, ...]):
-    """The cost model's two host terms, fitted from measured training steps."""
+    """The cost model's host terms (:class:`edgefl.profile.cost.StepFit`), fitted from measured training steps."""
     from edgefl.models import get_spec
-    from edgefl.profile.cost import activation_bytes_per_sample, fit_step_model, freeze, layer_count
+    from edgefl.profile.cost import fit_step_model, forward_stats, freeze
 
     rows = []
     for m in measured:
         shape = tuple(get_spec(m["model"]).default_input_shape) if get_spec(m["model"]).family == "mlp" else tuple(input_shape)
-        frozen = freeze(m["options"])
-        rows.append({"layers": layer_count(m["model"], frozen, shape, 10), "flops": m["flops_per_sample"], "params": m["params"],
-                     "activation_bytes": activation_bytes_per_sample(m["model"], frozen, shape, 10),
-                     "batch": batch, "step_s": m["step_s"], "memory_measured": m["train_memory_bytes"]})
+        rows.append({"stats": forward_stats(m["model"], freeze(m["options"]), shape, 10), "params": m["params"],
+                     "batch": batch, "step_s": m["step_s"], "optimizer_s": m.get("optimizer_s"),
+                     "memory_measured": m["train_memory_bytes"]})
     return fit_step_model(rows)
 
 
@@ -213,13 +213,12 @@ def profile_host(
     speed_source = f"median over {len(ok)} zoo models of 3 x forward FLOPs x batch / train-step time"
     fit = fit_host(ok, batch, input_shape) if len(ok) >= 3 else None
     if fit is not None:
-        details["fit"] = {"fitted_gflops": fit.effective_gflops, "layer_overhead_us": fit.layer_overhead_us,
-                          "param_overhead_ns": fit.param_overhead_ns, "activation_ns_per_byte": fit.activation_ns_per_byte,
-                          "memory_overhead_bytes": fit.memory_overhead_bytes, "activation_factor": fit.activation_factor}
-    fit_source = (f"non-negative least-squares fit over {len(ok)} zoo models of step = layers x o + 3 x FLOPs x batch / speed "
-                  "+ params x p + activation bytes x batch x q")
+        details["fit"] = dataclasses.asdict(fit)
+    fit_source = (f"non-negative least-squares fit over {len(ok)} zoo models of step = fixed + operators x o + convolutions x c + conv FLOPs x 3 / conv rate "
+                  "+ linear FLOPs x 3 / linear rate + random elements x r + memory-bound bytes x q; optimizer time (timed apart) "
+                  "= fixed + parameter tensors x t + params x p")
     memory_source = (f"fit over {len(ok)} zoo models of peak training memory - params x 16 "
-                     "= activation factor x forward-tensor bytes x batch + overhead")
+                     "= activation factor x forward-tensor bytes x batch + factor x largest parameter tensor bytes + overhead")
     if broker:
         on_step(f"broker round trip: {broker}")
         details["broker"] = {"url": broker, **broker_round_trip(broker)}
@@ -245,14 +244,14 @@ def profile_host(
                    "training_budget_bytes": _measured(budget, "psutil.virtual_memory().available at measurement time"),
                    "step_overhead_bytes": _measured(round(fit.memory_overhead_bytes) if fit else None, memory_source),
                    "activation_factor": _measured(round(fit.activation_factor, 3) if fit else None, memory_source),
+                   "largest_tensor_factor": _measured(round(fit.largest_tensor_factor, 3) if fit else None, memory_source),
                    "storage_bytes": _measured(free_disk, f"shutil.disk_usage({runs_dir})")},
         "compute": {"matmul_gflops": _measured(round(mm, 2), f"torch.mm {matmul_n}x{matmul_n} fp32 on {device.type}"),
                     "effective_gflops": _measured(round(effective, 3) if effective else None, speed_source),
-                    "layer_overhead_us": _measured(round(fit.layer_overhead_us, 2) if fit else None, fit_source),
-                    "param_overhead_ns": _measured(round(fit.param_overhead_ns, 4) if fit else None, fit_source),
-                    "activation_ns_per_byte": _measured(round(fit.activation_ns_per_byte, 5) if fit else None, fit_source),
-                    "fitted_gflops": _measured((0.0 if fit.effective_gflops == float("inf") else round(fit.effective_gflops, 3)) if fit else None,
-                                               fit_source + " (0: no arithmetic term, the host is bound by memory traffic)")},
+                    **{key: _measured(float(f"{getattr(fit, key):.4g}") if fit else None,
+                                      fit_source + (" (0: no separate term on this host)" if key.endswith("gflops") else ""))
+                       for key in ("step_overhead_us", "layer_overhead_us", "conv_overhead_us", "conv_gflops", "linear_gflops",
+                                   "random_ns_per_element", "traffic_ns_per_byte", "tensor_overhead_us", "param_overhead_ns")}},
         "accelerator": accel,
         "runtimes": {"trains_with": ["pytorch"], "runs": ["pytorch"]},
     }

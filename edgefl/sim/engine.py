@@ -155,14 +155,13 @@ class Simulation:
         time at the profile's effective speed plus the real message bytes at its bandwidth.
         None when the profile's speed is unknown."""
         from edgefl.models import model_info
-        from edgefl.profile.cost import activation_bytes_per_sample, compute_seconds, freeze, layer_count, transfer_seconds
+        from edgefl.profile.cost import compute_seconds, forward_stats, freeze, transfer_seconds
 
         shape = tuple(slot.input_shape(self.ds))
         info = model_info(slot.model, num_classes=self.ds.num_classes, input_shape=shape, **slot.model_options)
-        layers = layer_count(slot.model, freeze(slot.model_options), shape, self.ds.num_classes)
-        act = activation_bytes_per_sample(slot.model, freeze(slot.model_options), shape, self.ds.num_classes)
+        stats = forward_stats(slot.model, freeze(slot.model_options), shape, self.ds.num_classes)
         batch = self.cfg.train_for(slot.group).batch_size
-        compute = compute_seconds(slot.profile, info.flops_per_sample, samples, layers, batch, info.params, act)
+        compute = compute_seconds(slot.profile, info.flops_per_sample, samples, batch, info.params, stats)
         if compute is None:
             return None
         return compute + (transfer_seconds(slot.profile, up_bytes, down_bytes) or 0.0)
