@@ -94,7 +94,8 @@ def test_cli_assign_prints_every_candidate_and_refuses_with_exit_1():
     assert res.returncode == 2 and "did you mean 'pi4-4gb'" in res.stderr
 
 
-HOST = StepFit(step_overhead_us=500, layer_overhead_us=3, conv_overhead_us=300, conv_gflops=250, linear_gflops=90,
+HOST = StepFit(step_overhead_us=500, layer_overhead_us=3, conv_overhead_us=300, conv_gflops=250, transposed_conv_gflops=80,
+               linear_gflops=90,
                random_ns_per_element=10, traffic_ns_per_byte=0.08, tensor_overhead_us=15, param_overhead_ns=1.5,
                activation_factor=1.6, memory_overhead_bytes=11e6, largest_tensor_factor=2.5)
 
@@ -105,7 +106,8 @@ def synthetic_rows(n: int = 14, staged: bool = True) -> list[dict]:
     rows = []
     for _ in range(n):
         stats = ForwardStats(operators=int(rng.integers(10, 300)), conv_operators=int(rng.integers(0, 50)),
-                             conv_flops=float(rng.uniform(0, 1e7)), linear_flops=float(rng.uniform(0, 2e7)),
+                             conv_flops=float(rng.uniform(0, 1e7)), transposed_conv_flops=float(rng.uniform(0, 5e6)),
+                             linear_flops=float(rng.uniform(0, 2e7)),
                              random_elements=float(rng.uniform(0, 1e5)), traffic_bytes=float(rng.uniform(1e4, 1e7)),
                              new_bytes=float(rng.uniform(1e4, 3e6)), param_tensors=int(rng.integers(4, 160)),
                              largest_param_bytes=int(rng.uniform(1e4, 2e7)))
@@ -142,7 +144,7 @@ def test_profile_overheads_enter_the_estimate():
 def test_a_measured_profile_estimates_with_its_full_step_fit():
     profile = board(1e9, gflops=10.0)
     measured = {"kind": "measured", "source": "t"}
-    for key in ("step_overhead_us", "layer_overhead_us", "conv_overhead_us", "conv_gflops", "linear_gflops",
+    for key in ("step_overhead_us", "layer_overhead_us", "conv_overhead_us", "conv_gflops", "transposed_conv_gflops", "linear_gflops",
                 "random_ns_per_element", "traffic_ns_per_byte", "tensor_overhead_us", "param_overhead_ns"):
         setattr(profile.compute, key, Quantity(value=getattr(HOST, key), **measured))
     for key, attr in (("activation_factor", "activation_factor"), ("step_overhead_bytes", "memory_overhead_bytes"),
@@ -168,4 +170,5 @@ def test_operator_statistics_sort_work_by_kind():
     resnet = forward_stats("resnet10", (), (1, 28, 28), 10)
     assert resnet.random_elements == 0 and resnet.traffic_bytes > resnet.new_bytes > 0
     cvae = forward_stats("cvae-large", (), (1, 28, 28), 10)
-    assert cvae.conv_flops > 0 and cvae.linear_flops > 0 and cvae.random_elements > 0
+    assert cvae.conv_flops > 0 and cvae.transposed_conv_flops > 0 and cvae.linear_flops > 0 and cvae.random_elements > 0
+    assert resnet.transposed_conv_flops == 0

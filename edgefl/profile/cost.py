@@ -6,11 +6,13 @@ measured 2.96x), plus per-operator and per-parameter costs where the profile has
 ``edgefl device-profile`` measured has the full step fit, one term per kind of work a CPU step
 does at its own rate::
 
-    step = fixed + operators x o + convolutions x c + conv FLOPs x 3 / conv rate + linear FLOPs x 3 / linear rate
+    step = fixed + operators x o + convolutions x c + conv FLOPs x 3 / conv rate
+           + transposed-conv FLOPs x 3 / its rate + linear FLOPs x 3 / linear rate
            + random elements x r + memory-bound bytes x q + params x p
 
-Convolutions and matrix multiplies run at different rates (oneDNN's convolutions against BLAS
-GEMMs); dropout masks and CVAE noise are random-number generation, which costs per element and
+Convolutions, transposed convolutions (a CVAE decoder's upsampling: it ran at a third of the
+rate of ordinary ones here) and matrix multiplies run at different rates (oneDNN's kernels against
+BLAS GEMMs), and each convolution call costs kernel set-up forward and backward; dropout masks and CVAE noise are random-number generation, which costs per element and
 dominated the FedHe CNNs' steps (their dropout over wide maps: 40 % of the step); batch norm,
 ReLU, pooling and additions are bound by the bytes they read and write; the optimizer and
 zeroing gradients stream every parameter; a fixed cost per step (loss, autograd's start,
@@ -55,6 +57,7 @@ class ForwardStats:
     operators: int
     conv_operators: int  # each convolution call sets up oneDNN kernels forward and backward
     conv_flops: float
+    transposed_conv_flops: float  # a generator's upsampling: other kernels, another rate
     linear_flops: float
     random_elements: float
     traffic_bytes: float  # read + written by the memory-bound operators (not conv, matmul, random)
@@ -75,7 +78,7 @@ class _OperatorCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.operators = self.conv_operators = 0
-        self.conv_flops = self.linear_flops = self.random_elements = self.traffic_bytes = self.new_bytes = 0
+        self.conv_flops = self.transposed_conv_flops = self.linear_flops = self.random_elements = self.traffic_bytes = self.new_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,8 +93,11 @@ class _OperatorCounter(TorchDispatchMode):
             formula = flop_registry.get(func.overloadpacket)
             flops = formula(*args, **kwargs, out_val=out) if formula else 0
             if name in _CONVOLUTIONS:
-                self.conv_flops += flops
                 self.conv_operators += 1
+                if _is_transposed(name, args, kwargs):
+                    self.transposed_conv_flops += flops
+                else:
+                    self.conv_flops += flops
             else:
                 self.linear_flops += flops
         elif name in _RANDOM:
@@ -112,10 +118,19 @@ def forward_stats(name: str, frozen_options: tuple, input_shape: tuple[int, ...]
     counter = _OperatorCounter()
     with torch.no_grad(), counter:
         model(*inputs)
-    return ForwardStats(counter.operators, counter.conv_operators, counter.conv_flops / batch, counter.linear_flops / batch,
+    return ForwardStats(counter.operators, counter.conv_operators, counter.conv_flops / batch,
+                        counter.transposed_conv_flops / batch, counter.linear_flops / batch,
                         counter.random_elements / batch, counter.traffic_bytes / batch, counter.new_bytes / batch,
                         sum(1 for p in model.parameters() if p.requires_grad),
                         max((p.numel() * p.element_size() for p in model.parameters()), default=0))
+
+
+def _is_transposed(name: str, args: tuple, kwargs: dict) -> bool:
+    if name == "conv_transpose2d":
+        return True
+    if name in ("convolution", "_convolution"):  # (input, weight, bias, stride, padding, dilation, transposed, ...)
+        return bool(kwargs.get("transposed", args[6] if len(args) > 6 else False))
+    return False
 
 
 def activation_bytes_per_sample(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> int:
@@ -145,6 +160,7 @@ class StepFit:
     layer_overhead_us: float
     conv_overhead_us: float
     conv_gflops: float
+    transposed_conv_gflops: float
     linear_gflops: float
     random_ns_per_element: float
     traffic_ns_per_byte: float
@@ -158,6 +174,7 @@ class StepFit:
         return (self.step_overhead_us * 1e-6 + stats.operators * self.layer_overhead_us * 1e-6
                 + stats.conv_operators * self.conv_overhead_us * 1e-6
                 + 3 * stats.conv_flops * batch * _per_unit(self.conv_gflops, 1e9)
+                + 3 * stats.transposed_conv_flops * batch * _per_unit(self.transposed_conv_gflops, 1e9)
                 + 3 * stats.linear_flops * batch * _per_unit(self.linear_gflops, 1e9)
                 + stats.random_elements * batch * self.random_ns_per_element * 1e-9
                 + stats.traffic_bytes * batch * self.traffic_ns_per_byte * 1e-9
@@ -171,7 +188,7 @@ class StepFit:
     def from_profile(cls, profile: DeviceProfile) -> StepFit | None:
         """The profile's fitted step model, None unless ``edgefl device-profile`` measured all of it."""
         c, m = profile.compute, profile.memory
-        fields = (c.step_overhead_us, c.layer_overhead_us, c.conv_overhead_us, c.conv_gflops, c.linear_gflops, c.random_ns_per_element,
+        fields = (c.step_overhead_us, c.layer_overhead_us, c.conv_overhead_us, c.conv_gflops, c.transposed_conv_gflops, c.linear_gflops, c.random_ns_per_element,
                   c.traffic_ns_per_byte, c.tensor_overhead_us, c.param_overhead_ns)
         if not all(q.known for q in fields):
             return None
@@ -222,12 +239,13 @@ def _nonnegative_lstsq(a, b):
         return np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0, None)
 
 
-STEP_TERMS = ("fixed", "operators", "conv_operators", "conv_flops", "linear_flops", "random_elements", "traffic_bytes", "param_tensors", "params")
+STEP_TERMS = ("fixed", "operators", "conv_operators", "conv_flops", "transposed_conv_flops", "linear_flops", "random_elements", "traffic_bytes", "param_tensors", "params")
 
 
 def step_columns(stats: ForwardStats, params: int, batch: int) -> list[float]:
     """One measured step's regressors, in :data:`STEP_TERMS` order (the work each term prices)."""
-    return [1.0, stats.operators, stats.conv_operators, 3 * stats.conv_flops * batch, 3 * stats.linear_flops * batch,
+    return [1.0, stats.operators, stats.conv_operators, 3 * stats.conv_flops * batch, 3 * stats.transposed_conv_flops * batch,
+            3 * stats.linear_flops * batch,
             stats.random_elements * batch, stats.traffic_bytes * batch, stats.param_tensors, params]
 
 
@@ -254,21 +272,21 @@ def fit_step_model(rows: list[dict]) -> StepFit:
     if all(r.get("optimizer_s") for r in rows):
         t_opt = np.array([r["optimizer_s"] for r in rows], dtype=float)
         # each stage's error counts relative to the whole step, the number the estimate is judged by
-        opt_fixed, per_tensor, per_param = weighted_fit(a[:, [0, 7, 8]], t_opt, t)
+        opt_fixed, per_tensor, per_param = weighted_fit(a[:, [0, 8, 9]], t_opt, t)
         # the passes stream the weights too (forward reads them, backward reads them and writes
         # their gradients): a parameter term of their own, apart from the optimizer's
-        passes = weighted_fit(a[:, [0, 1, 2, 3, 4, 5, 6, 8]], np.maximum(t - t_opt, 1e-9), t)
-        coef = np.append(passes[:7], [per_tensor, per_param + passes[7]])
+        passes = weighted_fit(a[:, [0, 1, 2, 3, 4, 5, 6, 7, 9]], np.maximum(t - t_opt, 1e-9), t)
+        coef = np.append(passes[:8], [per_tensor, per_param + passes[8]])
         coef[0] += opt_fixed
     else:
         coef = weighted_fit(a, t, t)
-    fixed, per_op, per_conv, conv, linear, rand, traffic, per_tensor, per_param = coef
+    fixed, per_op, per_conv, conv, transposed, linear, rand, traffic, per_tensor, per_param = coef
     m = np.array([r["memory_measured"] - r["params"] * 16 for r in rows], dtype=float)
     am = np.array([[r["stats"].new_bytes * r["batch"], r["stats"].largest_param_bytes, 1.0] for r in rows])
     wm = 1 / np.array([r["memory_measured"] for r in rows], dtype=float)
     k, largest, base = _nonnegative_lstsq(am * wm[:, None] / am.max(0), m * wm) / am.max(0)
     rate = lambda c: 1 / c / 1e9 if c > 0 else 0.0  # noqa: E731  (s per FLOP -> GFLOP/s; 0: no term)
-    return StepFit(fixed * 1e6, per_op * 1e6, per_conv * 1e6, rate(conv), rate(linear), rand * 1e9, traffic * 1e9, per_tensor * 1e6,
+    return StepFit(fixed * 1e6, per_op * 1e6, per_conv * 1e6, rate(conv), rate(transposed), rate(linear), rand * 1e9, traffic * 1e9, per_tensor * 1e6,
                    per_param * 1e9, float(k), float(base), float(largest))
 
 

@@ -215,7 +215,7 @@ def profile_host(
     if fit is not None:
         details["fit"] = dataclasses.asdict(fit)
     fit_source = (f"non-negative least-squares fit over {len(ok)} zoo models of step = fixed + operators x o + convolutions x c + conv FLOPs x 3 / conv rate "
-                  "+ linear FLOPs x 3 / linear rate + random elements x r + memory-bound bytes x q; optimizer time (timed apart) "
+                  "+ transposed-conv FLOPs x 3 / its rate + linear FLOPs x 3 / linear rate + random elements x r + memory-bound bytes x q; optimizer time (timed apart) "
                   "= fixed + parameter tensors x t + params x p")
     memory_source = (f"fit over {len(ok)} zoo models of peak training memory - params x 16 "
                      "= activation factor x forward-tensor bytes x batch + factor x largest parameter tensor bytes + overhead")
@@ -250,7 +250,7 @@ def profile_host(
                     "effective_gflops": _measured(round(effective, 3) if effective else None, speed_source),
                     **{key: _measured(float(f"{getattr(fit, key):.4g}") if fit else None,
                                       fit_source + (" (0: no separate term on this host)" if key.endswith("gflops") else ""))
-                       for key in ("step_overhead_us", "layer_overhead_us", "conv_overhead_us", "conv_gflops", "linear_gflops",
+                       for key in ("step_overhead_us", "layer_overhead_us", "conv_overhead_us", "conv_gflops", "transposed_conv_gflops", "linear_gflops",
                                    "random_ns_per_element", "traffic_ns_per_byte", "tensor_overhead_us", "param_overhead_ns")}},
         "accelerator": accel,
         "runtimes": {"trains_with": ["pytorch"], "runs": ["pytorch"]},

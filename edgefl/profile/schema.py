@@ -88,6 +88,7 @@ class Compute(_Strict):
     layer_overhead_us: Quantity = Field(default_factory=_unknown, description="per-operator, per-step dispatch cost of a training step (operators: the aten ops of the forward pass)")
     conv_overhead_us: Quantity = Field(default_factory=_unknown, description="per convolution call, per step: setting up its forward and backward kernels")
     conv_gflops: Quantity = Field(default_factory=_unknown, description="rate of convolutions, 3 x forward FLOPs per step (0: no separate term)")
+    transposed_conv_gflops: Quantity = Field(default_factory=_unknown, description="rate of transposed convolutions (generators' upsampling), 3 x forward FLOPs per step (0: no separate term)")
     linear_gflops: Quantity = Field(default_factory=_unknown, description="rate of matrix multiplies, 3 x forward FLOPs per step (0: no separate term)")
     random_ns_per_element: Quantity = Field(default_factory=_unknown, description="per random number drawn (dropout masks, sampling noise)")
     traffic_ns_per_byte: Quantity = Field(default_factory=_unknown, description="per byte read and written by memory-bound operators (norms, activations, pooling, additions)")
