@@ -111,8 +111,8 @@ def main() -> None:
         for key in keys:
             r[f"time_error_{key}"] = r[f"step_{key}"] / r["step_s"] - 1
             r[f"memory_error_{key}"] = r[f"memory_{key}"] / r["memory_measured"] - 1
-            within[f"time_{key}"] += abs(r[f"time_error_{key}"]) <= 0.25
-            within[f"memory_{key}"] += abs(r[f"memory_error_{key}"]) <= 0.25
+            within[f"time_{key}"] += int(abs(r[f"time_error_{key}"]) <= 0.25)
+            within[f"memory_{key}"] += int(abs(r[f"memory_error_{key}"]) <= 0.25)
         print(f"{r['model']:28s} {r['step_s'] * 1000:7.1f}ms " + " ".join(f"{r[f'time_error_{k}']:+9.0%}" for k in keys)
               + f" {r['memory_measured'] / 2**20:7.1f}Mi " + " ".join(f"{r[f'memory_error_{k}']:+9.0%}" for k in keys))
         r["stats"] = vars(st)

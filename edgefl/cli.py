@@ -317,6 +317,15 @@ def device_profile(
         ("effective training", _qty(profile.compute.effective_gflops, lambda v: f"{v:g} GFLOP/s")),
     ):
         host.add_row(fact, str(value))
+    if "fit" in details:  # the cost model's host terms, fitted from the models below
+        f = details["fit"]
+        rate = lambda v: f"{v:.0f}" if v else "no term"  # noqa: E731  (0: the fit found no such term)
+        host.add_row("step fit", f"{f['step_overhead_us'] / 1e3:.2f} ms + {f['conv_overhead_us']:.0f} us/conv call; conv "
+                     f"{rate(f['conv_gflops'])}, transposed {rate(f['transposed_conv_gflops'])}, matmul {rate(f['linear_gflops'])} GFLOP/s; "
+                     f"{f['random_ns_per_element']:.1f} ns/random number, {f['traffic_ns_per_byte']:.3f} ns/byte moved; "
+                     f"optimizer {f['tensor_overhead_us']:.0f} us/tensor + {f['param_overhead_ns']:.2f} ns/param")
+        host.add_row("memory fit", f"activations x {f['activation_factor']:.2f} + {f['largest_tensor_factor']:.1f} x largest "
+                     f"parameter tensor + {_bytes(f['memory_overhead_bytes'])}")
     if "broker" in details:
         b = details["broker"]
         host.add_row("broker", f"{b['url']}: RTT {b['rtt_ms_p50']:.2f} ms (p50), {b['throughput_mbps']:.1f} Mbit/s")

@@ -9,7 +9,7 @@ import pytest
 from edgefl.errors import EdgeflError
 from edgefl.profile import load_profile
 from edgefl.profile.cost import StepFit, estimate, forward_stats
-from edgefl.profile.measure import ModelCandidate, broker_round_trip, matmul_gflops, measure_model
+from edgefl.profile.measure import ModelCandidate, broker_round_trip, matmul_gflops, measure_model, profile_host
 from tests.mosquitto import free_port, mosquitto
 from tests.test_cli import edgefl
 
@@ -59,11 +59,20 @@ def test_cli_quick_profile_writes_a_loadable_measured_profile(tmp_path):
     assert m["train_memory_bytes"] > 0 and 0 < m["optimizer_s"] < m["step_s"]
     if sys.platform == "linux":  # anonymous memory: file-backed library pages vary with the page cache
         assert m["memory_method"] == "RssAnon"
-    # three models are enough for the full step fit, and estimates on this profile use it
-    fit = StepFit.from_profile(p)
-    assert fit is not None and p.compute.conv_gflops.kind == "measured"
+    # three models are too few for the step fit: its terms stay unknown, estimates use the effective speed
+    assert StepFit.from_profile(p) is None and not p.compute.conv_gflops.known
     e = estimate("lenet5", profile=p, batch=32, samples=64)
-    assert e.compute_s == pytest.approx(2 * fit.step_seconds(forward_stats("lenet5", (), (1, 28, 28), 10), e.params, 32))
+    assert e.compute_s == pytest.approx(3 * e.flops_per_sample * 64 / (p.compute.effective_gflops.value * 1e9))
+
+
+def test_profile_with_enough_models_carries_the_step_fit_used_by_estimates(tmp_path):
+    models = ["cnn-small", "lenet5", "cvae-small", "fedhe-cnn-5:width=0.25", "resnet10:width=0.125", "vgg9:width=0.125"]
+    p, details = profile_host([ModelCandidate.parse(m) for m in models], batch=8, steps=2, matmul_n=128, matmul_seconds=0.05)
+    fit = StepFit.from_profile(p)
+    assert fit is not None and p.compute.conv_gflops.kind == "measured" and "fit" in details
+    assert p.memory.largest_tensor_factor.known
+    e = estimate("lenet5", profile=p, batch=8, samples=16)
+    assert e.compute_s == pytest.approx(2 * fit.step_seconds(forward_stats("lenet5", (), (1, 28, 28), 10), e.params, 8))
 
 
 def test_broker_round_trip_against_real_mosquitto(tmp_path):

@@ -33,6 +33,10 @@ from edgefl.profile.schema import SCHEMA, DeviceProfile
 DEFAULT_MODELS = ["cnn-small", "lenet5", "fedhe-cnn-0:width=0.5", "fedhe-cnn-5:width=0.5", "resnet10:width=0.25",
                   "resnet18:width=0.25", "resnet50:width=0.25", "vgg9:width=0.25", "cvae-small", "cvae-large:width=0.5"]
 QUICK_MODELS = ["cnn-small", "cvae-small"]
+# the step fit has ten terms in two stages; from fewer models than this it is under-determined
+# and extrapolates badly (three small models left matmuls free), so the profile keeps only the
+# effective speed
+MIN_FIT_MODELS = 6
 
 
 @dataclass
@@ -211,7 +215,7 @@ def profile_host(
     ok = [m for m in details["models"] if "error" not in m]
     effective = statistics.median(m["train_gflops"] for m in ok) if ok else None
     speed_source = f"median over {len(ok)} zoo models of 3 x forward FLOPs x batch / train-step time"
-    fit = fit_host(ok, batch, input_shape) if len(ok) >= 3 else None
+    fit = fit_host(ok, batch, input_shape) if len(ok) >= MIN_FIT_MODELS else None
     if fit is not None:
         details["fit"] = dataclasses.asdict(fit)
     fit_source = (f"non-negative least-squares fit over {len(ok)} zoo models of step = fixed + operators x o + convolutions x c + conv FLOPs x 3 / conv rate "
