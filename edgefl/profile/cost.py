@@ -8,15 +8,17 @@ does at its own rate::
 
     step = fixed + operators x o + convolutions x c + conv FLOPs x 3 / conv rate
            + transposed-conv FLOPs x 3 / its rate + linear FLOPs x 3 / linear rate
-           + random elements x r + memory-bound bytes x q + params x p
+           + random elements x r + memory-bound bytes x q + parameter tensors x t + params x p
 
 Convolutions, transposed convolutions (a CVAE decoder's upsampling: it ran at a third of the
-rate of ordinary ones here) and matrix multiplies run at different rates (oneDNN's kernels against
-BLAS GEMMs), and each convolution call costs kernel set-up forward and backward; dropout masks and CVAE noise are random-number generation, which costs per element and
+rate of ordinary ones here) and matrix multiplies run at different rates (oneDNN's kernels
+against BLAS GEMMs), and each convolution call costs kernel set-up forward and backward;
+dropout masks and CVAE noise are random-number generation, which costs per element and
 dominated the FedHe CNNs' steps (their dropout over wide maps: 40 % of the step); batch norm,
-ReLU, pooling and additions are bound by the bytes they read and write; the optimizer and
-zeroing gradients stream every parameter; a fixed cost per step (loss, autograd's start,
-optimizer call) dominates 2 ms steps. The statistics come from one training forward pass under a
+ReLU, pooling and additions are bound by the bytes they read and write; the optimizer runs its
+own operators for every parameter tensor (a CPU has no foreach kernels) and streams every
+parameter; a fixed cost per step (loss, autograd's start, optimizer call) dominates 2 ms steps.
+``device-profile`` times the optimizer apart from the passes, and the fit prices the two apart. The statistics come from one training forward pass under a
 torch dispatch mode (:class:`ForwardStats`), so functional calls and in-place operators are seen
 as they run.
 
