@@ -9,10 +9,11 @@ child process by ``edgefl device-profile``'s code:
 
 Three versions of the cost model side by side: *naive* (``3 x forward FLOPs x batch`` at one
 effective GFLOP/s, the median over the models; ``params x 16 + activations x batch`` for Adam),
-*four_term* (the previous session's fit: operators, all FLOPs, params, new-tensor bytes, each at
-one rate) and *full* (``edgefl device-profile``'s current fit: a fixed cost, operators,
-convolution FLOPs and matmul FLOPs at their own rates, random numbers drawn, bytes moved by
-memory-bound operators, params; memory: activations scaled by a fitted factor plus a constant). The fits are calibrated on the models ``edgefl device-profile`` measures by default
+*four_term* (the previous form, re-fitted here: operators, all FLOPs, params and new-tensor bytes,
+one rate each; memory: activations x a factor + a constant) and *full* (``edgefl
+device-profile``'s current fit, :func:`edgefl.profile.cost.fit_step_model`: every kind of work at
+its own rate, the optimizer fitted apart; memory adds the largest parameter tensor). The fits
+are calibrated on the models ``edgefl device-profile`` measures by default
 (those of them this benchmark measures with the same options) and evaluated on every model.
 ``--from-results FILE`` re-evaluates saved measurements without measuring again. The target is
 within 25 % for both.
@@ -21,18 +22,17 @@ within 25 % for both.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from common import save
 
-import numpy as np
-
-from edgefl.profile.cost import _nonnegative_lstsq, estimate, fit_step_model, forward_stats, freeze
+from edgefl.models import get_spec
+from edgefl.profile.cost import fit_step_model, forward_stats, freeze, relative_nnls
 from edgefl.profile.measure import DEFAULT_MODELS, ModelCandidate, measure_model
 
 MODELS = [
@@ -51,10 +51,10 @@ def measure(args) -> list[dict]:
         if "error" in m:
             print(f"{cand.label}: {m['error']}", flush=True)
             continue
-        est = estimate(cand.name, cand.options, batch=args.batch, optimizer="adam")
-        rows.append({"model": cand.label, "spec": text, "kind": est.kind, "flops": m["flops_per_sample"], "params": m["params"],
-                     "batch": args.batch, "memory_method": m.get("memory_method", "rss"), "optimizer_s": m["optimizer_s"], "step_s": m["step_s"], "train_gflops": m["train_gflops"], "memory_measured": m["train_memory_bytes"],
-                     "memory_naive": est.train_memory_bytes})
+        rows.append({"model": cand.label, "spec": text, "kind": get_spec(cand.name).kind, "flops": m["flops_per_sample"],
+                     "params": m["params"], "batch": args.batch, "step_s": m["step_s"], "optimizer_s": m["optimizer_s"],
+                     "train_gflops": m["train_gflops"], "memory_measured": m["train_memory_bytes"],
+                     "memory_method": m.get("memory_method", "rss")})
         print(f"measured {cand.label:28s} step {m['step_s'] * 1000:8.1f} ms  {m['train_gflops']:6.2f} GFLOP/s  "
               f"memory {m['train_memory_bytes'] / 2**20:7.1f} MiB (elapsed {time.perf_counter() - t0:.0f}s)", flush=True)
     return rows
@@ -66,12 +66,18 @@ def four_term_columns(r: dict) -> list[float]:
     return [st.operators, 3 * r["flops"] * r["batch"], r["params"], st.new_bytes * r["batch"]]
 
 
-def fit_four_term(rows: list[dict]) -> np.ndarray:
-    a = np.array([four_term_columns(r) for r in rows], dtype=float)
+def fit_four_term(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """The previous form's step coefficients and its memory coefficients (activation factor, constant)."""
     t = np.array([r["step_s"] for r in rows])
-    scale = a.max(0)
-    scale[scale == 0] = 1
-    return _nonnegative_lstsq(a / scale / t[:, None], np.ones(len(rows))) / scale
+    step = relative_nnls([four_term_columns(r) for r in rows], t, t)
+    measured = np.array([r["memory_measured"] for r in rows], dtype=float)
+    memory = relative_nnls([four_term_memory_columns(r) for r in rows],
+                           measured - np.array([r["params"] * 16 for r in rows], dtype=float), measured)
+    return step, memory
+
+
+def four_term_memory_columns(r: dict) -> list[float]:
+    return [r["stats"].new_bytes * r["batch"], 1.0]
 
 
 def main() -> None:
@@ -93,7 +99,7 @@ def main() -> None:
     batch = rows[0]["batch"]
     effective = statistics.median(r["train_gflops"] for r in rows)
     calibration = [r for r in rows if r["spec"] in args.calibrate_on]
-    four_term = fit_four_term(calibration)
+    four_term, four_term_memory = fit_four_term(calibration)
     fit = fit_step_model(calibration)
     print(f"\nnaive: effective {effective:.2f} GFLOP/s (median over {len(rows)} models)")
     print(f"full fit on {len(calibration)} models: " + ", ".join(f"{k} {v:.4g}" for k, v in vars(fit).items()) + "\n")
@@ -106,7 +112,7 @@ def main() -> None:
         r["step_four_term"] = float(np.dot(four_term_columns(r), four_term))
         r["step_full"] = fit.step_seconds(st, r["params"], batch)
         r["memory_naive"] = r["params"] * 16 + st.new_bytes * batch
-        r["memory_four_term"] = fit.memory_bytes(r["params"], 8, dataclasses.replace(st, largest_param_bytes=0), batch)
+        r["memory_four_term"] = r["params"] * 16 + float(np.dot(four_term_memory_columns(r), four_term_memory))
         r["memory_full"] = fit.memory_bytes(r["params"], 8, st, batch)
         for key in keys:
             r[f"time_error_{key}"] = r[f"step_{key}"] / r["step_s"] - 1
@@ -122,7 +128,7 @@ def main() -> None:
     worst = max(rows, key=lambda r: abs(r["time_error_full"]))
     print(f"largest full-fit time error: {worst['model']} {worst['time_error_full']:+.1%}")
     path = save("cost_model", {"args": {k: str(v) for k, v in vars(args).items()}, "effective_gflops_median": effective,
-                               "fit_four_term": list(four_term), "fit": vars(fit), "rows": rows, "within_25pct": within})
+                               "fit_four_term": {"step": list(four_term), "memory": list(four_term_memory)}, "fit": vars(fit), "rows": rows, "within_25pct": within})
     print(f"wrote {path}")
 
 

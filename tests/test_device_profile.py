@@ -9,7 +9,7 @@ import pytest
 from edgefl.errors import EdgeflError
 from edgefl.profile import load_profile
 from edgefl.profile.cost import StepFit, estimate, forward_stats
-from edgefl.profile.measure import ModelCandidate, broker_round_trip, matmul_gflops, measure_model, profile_host
+from edgefl.profile.measure import ModelCandidate, broker_round_trip, matmul_gflops, measure_model
 from tests.mosquitto import free_port, mosquitto
 from tests.test_cli import edgefl
 
@@ -66,11 +66,14 @@ def test_cli_quick_profile_writes_a_loadable_measured_profile(tmp_path):
 
 
 def test_profile_with_enough_models_carries_the_step_fit_used_by_estimates(tmp_path):
-    models = ["cnn-small", "lenet5", "cvae-small", "fedhe-cnn-5:width=0.25", "resnet10:width=0.125", "vgg9:width=0.125"]
-    p, details = profile_host([ModelCandidate.parse(m) for m in models], batch=8, steps=2, matmul_n=128, matmul_seconds=0.05)
+    out = tmp_path / "host.toml"
+    models = "cnn-small,lenet5,cvae-small,fedhe-cnn-5:width=0.25,resnet10:width=0.125,vgg9:width=0.125"
+    res = edgefl("device-profile", "--quick", "--batch", "8", "--models", models, "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "step fit" in res.stdout and "memory fit" in res.stdout  # the fitted terms are shown
+    p = load_profile(out)
     fit = StepFit.from_profile(p)
-    assert fit is not None and p.compute.conv_gflops.kind == "measured" and "fit" in details
-    assert p.memory.largest_tensor_factor.known
+    assert fit is not None and p.compute.conv_gflops.kind == "measured" and p.memory.largest_tensor_factor.known
     e = estimate("lenet5", profile=p, batch=8, samples=16)
     assert e.compute_s == pytest.approx(2 * fit.step_seconds(forward_stats("lenet5", (), (1, 28, 28), 10), e.params, 8))
 

@@ -228,27 +228,36 @@ def _value(q, default: float = 0.0) -> float:
     return float(q.value) if q.known and q.value is not None else default
 
 
-def _nonnegative_lstsq(a, b):
-    """Least squares with every coefficient >= 0 (costs cannot be negative): scipy's NNLS when
+def relative_nnls(a, target, size):
+    """Non-negative least squares (costs cannot be negative) on ``a @ x = target`` with each row's
+    error relative to ``size``, so small models weigh as much as big ones. Columns are scaled to
+    a common range first (their units differ by ten orders of magnitude). scipy's NNLS when
     available, else plain least squares clipped at zero."""
     import numpy as np
 
+    a = np.asarray(a, dtype=float)
+    size = np.asarray(size, dtype=float)
+    scale = a.max(0)
+    scale[scale == 0] = 1
+    lhs, rhs = (a / scale) / size[:, None], np.asarray(target, dtype=float) / size
     try:
         from scipy.optimize import nnls
 
-        return nnls(a, b)[0]
+        x = nnls(lhs, rhs)[0]
     except ImportError:
-        return np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0, None)
+        x = np.clip(np.linalg.lstsq(lhs, rhs, rcond=None)[0], 0, None)
+    return x / scale
 
 
-STEP_TERMS = ("fixed", "operators", "conv_operators", "conv_flops", "transposed_conv_flops", "linear_flops", "random_elements", "traffic_bytes", "param_tensors", "params")
+STEP_TERMS = ("fixed", "operators", "conv_operators", "conv_flops", "transposed_conv_flops", "linear_flops",
+              "random_elements", "traffic_bytes", "param_tensors", "params")
 
 
 def step_columns(stats: ForwardStats, params: int, batch: int) -> list[float]:
     """One measured step's regressors, in :data:`STEP_TERMS` order (the work each term prices)."""
     return [1.0, stats.operators, stats.conv_operators, 3 * stats.conv_flops * batch, 3 * stats.transposed_conv_flops * batch,
-            3 * stats.linear_flops * batch,
-            stats.random_elements * batch, stats.traffic_bytes * batch, stats.param_tensors, params]
+            3 * stats.linear_flops * batch, stats.random_elements * batch, stats.traffic_bytes * batch, stats.param_tensors,
+            params]
 
 
 def fit_step_model(rows: list[dict]) -> StepFit:
@@ -256,40 +265,36 @@ def fit_step_model(rows: list[dict]) -> StepFit:
     batch, step_s, memory_measured, and optimizer_s where the optimizer's part of the step was
     timed on its own).
 
-    With ``optimizer_s`` the fit has two stages: the optimizer's time against a fixed cost and the
-    parameter count, then the forward and backward time against the other terms. Fitting all at
-    once let a model whose parameters outweigh its arithmetic (VGG-9's FC layer) hand its
-    optimizer time to the matmul rate, which then over-charged the CVAEs' small linear layers.
-    Both fits weight each row by 1 / its size, so relative errors count and small models weigh
-    as much as big ones; every term is kept non-negative."""
+    With ``optimizer_s`` the fit has two stages: the optimizer's time against a fixed cost, the
+    parameter tensors and the parameter count, then the forward and backward time against the
+    other terms. Fitting all at once let a model whose parameters outweigh its arithmetic
+    (VGG-9's FC layer) hand its optimizer time to the matmul rate, which then over-charged the
+    CVAEs' small linear layers. Errors count relative to the whole step (the number an estimate
+    is judged by) and to the measured peak; every term is kept non-negative."""
     import numpy as np
-
-    def weighted_fit(a: np.ndarray, t: np.ndarray, size: np.ndarray) -> np.ndarray:
-        scale = a.max(0)
-        scale[scale == 0] = 1
-        return _nonnegative_lstsq((a / scale) / size[:, None], t / size) / scale
 
     a = np.array([step_columns(r["stats"], r["params"], r["batch"]) for r in rows], dtype=float)
     t = np.array([r["step_s"] for r in rows], dtype=float)
+    col = {name: i for i, name in enumerate(STEP_TERMS)}
     if all(r.get("optimizer_s") for r in rows):
         t_opt = np.array([r["optimizer_s"] for r in rows], dtype=float)
-        # each stage's error counts relative to the whole step, the number the estimate is judged by
-        opt_fixed, per_tensor, per_param = weighted_fit(a[:, [0, 8, 9]], t_opt, t)
+        optimizer_terms = ["fixed", "param_tensors", "params"]
         # the passes stream the weights too (forward reads them, backward reads them and writes
         # their gradients): a parameter term of their own, apart from the optimizer's
-        passes = weighted_fit(a[:, [0, 1, 2, 3, 4, 5, 6, 7, 9]], np.maximum(t - t_opt, 1e-9), t)
-        coef = np.append(passes[:8], [per_tensor, per_param + passes[8]])
-        coef[0] += opt_fixed
+        pass_terms = [name for name in STEP_TERMS if name != "param_tensors"]
+        coef = np.zeros(len(STEP_TERMS))
+        for terms, target in ((optimizer_terms, t_opt), (pass_terms, np.maximum(t - t_opt, 1e-9))):
+            idx = [col[name] for name in terms]
+            coef[idx] += relative_nnls(a[:, idx], target, t)
     else:
-        coef = weighted_fit(a, t, t)
+        coef = relative_nnls(a, t, t)
     fixed, per_op, per_conv, conv, transposed, linear, rand, traffic, per_tensor, per_param = coef
-    m = np.array([r["memory_measured"] - r["params"] * 16 for r in rows], dtype=float)
-    am = np.array([[r["stats"].new_bytes * r["batch"], r["stats"].largest_param_bytes, 1.0] for r in rows])
-    wm = 1 / np.array([r["memory_measured"] for r in rows], dtype=float)
-    k, largest, base = _nonnegative_lstsq(am * wm[:, None] / am.max(0), m * wm) / am.max(0)
+    measured = np.array([r["memory_measured"] for r in rows], dtype=float)
+    k, largest, base = relative_nnls([[r["stats"].new_bytes * r["batch"], r["stats"].largest_param_bytes, 1.0] for r in rows],
+                                     measured - np.array([r["params"] * 16 for r in rows], dtype=float), measured)
     rate = lambda c: 1 / c / 1e9 if c > 0 else 0.0  # noqa: E731  (s per FLOP -> GFLOP/s; 0: no term)
-    return StepFit(fixed * 1e6, per_op * 1e6, per_conv * 1e6, rate(conv), rate(transposed), rate(linear), rand * 1e9, traffic * 1e9, per_tensor * 1e6,
-                   per_param * 1e9, float(k), float(base), float(largest))
+    return StepFit(fixed * 1e6, per_op * 1e6, per_conv * 1e6, rate(conv), rate(transposed), rate(linear), rand * 1e9,
+                   traffic * 1e9, per_tensor * 1e6, per_param * 1e9, float(k), float(base), float(largest))
 
 
 def transfer_seconds(profile: DeviceProfile, up_bytes: int, down_bytes: int) -> float | None:
