@@ -46,7 +46,11 @@ MAX_HEADER_BYTES = 1 << 20
 #: Largest encoded message accepted by default (weights of the biggest zoo models fit).
 DEFAULT_MAX_BYTES = 512 << 20
 
-ALLOWED_DTYPES = {"F16", "BF16", "F32", "F64", "I8", "U8", "I16", "I32", "I64", "BOOL"}
+#: the tensor types a message may carry, by their safetensors names (F32, I64...)
+SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+                      torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+                      torch.bool: "BOOL"}
+ALLOWED_DTYPES = set(SAFETENSORS_DTYPES.values())
 
 
 @dataclass

@@ -62,12 +62,9 @@ def new_id() -> str:
 def tensor_manifest(tensors: dict) -> dict[str, list]:
     """``name -> [dtype, shape]`` of a message's tensors, in safetensors' dtype names (F32, I64...):
     what the ``tensors`` header field declares about a safetensors body (docs/PROTOCOL.md)."""
-    import torch
+    from edgefl.messages import SAFETENSORS_DTYPES
 
-    names = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-             torch.bool: "BOOL"}
-    return {name: [names[t.dtype], list(t.shape)] for name, t in tensors.items()}
+    return {name: [SAFETENSORS_DTYPES[t.dtype], list(t.shape)] for name, t in tensors.items()}
 
 
 @dataclass
