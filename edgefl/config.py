@@ -7,7 +7,6 @@ suggest the nearest valid one. ``apply_overrides`` implements ``--set key=value`
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
 import math
 import sys
@@ -18,8 +17,10 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from edgefl.configtools import format_validation_error, read_toml, suggest
 from edgefl.data.views import ViewSettings
 from edgefl.errors import ConfigError
+from edgefl.methods import get_method
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,7 +76,7 @@ class DataSettings(Strict):
         from edgefl.data.datasets import DATASET_NAMES
 
         if v not in DATASET_NAMES:
-            raise ValueError(f"unknown dataset {v!r}{_suggest(v, DATASET_NAMES)}")
+            raise ValueError(f"unknown dataset {v!r}{suggest(v, DATASET_NAMES)}")
         return v
 
 
@@ -97,7 +98,7 @@ class GroupSettings(Strict):
 
         names = model_names()
         if v != "auto" and v not in names:
-            raise ValueError(f"unknown model {v!r}{_suggest(v, names)}")
+            raise ValueError(f"unknown model {v!r}{suggest(v, names)}")
         return v
 
     @model_validator(mode="after")
@@ -123,7 +124,7 @@ class GroupSettings(Strict):
         allowed = [p for p in params if p not in internal]
         for key in self.options:
             if key not in allowed:
-                raise ValueError(f"model {self.model!r} has no option {key!r}{_suggest(key, allowed)}; options: {', '.join(allowed)}")
+                raise ValueError(f"model {self.model!r} has no option {key!r}{suggest(key, allowed)}; options: {', '.join(allowed)}")
         return self
 
 
@@ -222,60 +223,12 @@ class RunConfig(Strict):
         return tomli_w.dumps(self.to_dict())
 
 
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _loc(parts: tuple) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
-def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The valid field names of the model that sits at ``loc`` (for 'did you mean')."""
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
-            return []
-        ann = current.model_fields[part].annotation
-        for arg in (*getattr(ann, "__args__", ()), ann):
-            inner = getattr(arg, "__args__", (arg,))
-            for a in inner:
-                if isinstance(a, type) and issubclass(a, BaseModel):
-                    current = a
-                    break
-            else:
-                continue
-            break
-    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
-
-
-def format_validation_error(exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:
-    lines = []
-    for err in exc.errors():
-        loc = err["loc"]
-        where = (prefix + "." if prefix and loc else prefix) + _loc(loc)
-        if err["type"] == "extra_forbidden":
-            key = str(loc[-1])
-            lines.append(f"{where}: unknown key{_suggest(key, _fields_at(root, loc[:-1]))}")
-        else:
-            lines.append(f"{where or '(top level)'}: {err['msg']}")
-    return "\n".join(lines)
-
-
 def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
     """Validate a parsed TOML document into a :class:`RunConfig` (method options included)."""
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, RunConfig)}") from None
-    from edgefl.algorithms.registry import get_method
-
     method = get_method(cfg.method.name)
     try:
         method.options_model.model_validate(cfg.method.options())
@@ -324,24 +277,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-
-
 PRESETS = {"demo": "fedhe-fashion-mnist.toml", "paper": "fedhe-fashion-mnist-paper.toml"}
 
 
 def preset_text(name: str) -> str:
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}{_suggest(name, PRESETS)}", hint=f"presets: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}{suggest(name, PRESETS)}", hint=f"presets: {', '.join(PRESETS)}")
     return resources.files("edgefl.defaults").joinpath(PRESETS[name]).read_text()
 
 

@@ -126,8 +126,6 @@ def accuracy_table(run: RunDir) -> Table:
 
 def communication_table(run: RunDir) -> Table:
     metrics = run.metrics()
-    from edgefl.sim.engine import human_bytes
-
     table = Table(title="communication")
     for col in ("", "total", "per round", "per client per round"):
         table.add_column(col, justify="right")
@@ -136,3 +134,11 @@ def communication_table(run: RunDir) -> Table:
         total = sum(m[key] for m in metrics)
         table.add_row(key.replace("bytes_", ""), human_bytes(total), human_bytes(total / len(metrics)), human_bytes(total / n_sel))
     return table
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"

@@ -1,123 +1,149 @@
-"""The fleet server: runs a method's server half over MQTT, round by round, and never hangs.
+"""The round loop, written once: a method's server half over any transport.
 
-A round: announce it (retained), send every selected device its download, then take uploads
-until every selected device has reported, or until the deadline when a quorum has reported. A
-round that misses its quorum is extended once by ``grace_s`` when configured, else closed as
-failed (its uploads discarded) and reported. Every upload is checked cheapest first (size,
-envelope, header, topic = sender, federation, round, body hash, decode without pickle with a size
-cap, then the method's own checks) and answered: ``ack`` (accepted, duplicate or late) or
-``nack`` with the reason. Nothing a device sends can stop the loop.
+A simulation runs it over :class:`edgefl.sim.network.InMemoryNetwork` (the device loops in this
+process, a virtual clock); ``edgefl server`` runs it over MQTT. Everything else is the same code:
 
-Evaluation mirrors the simulation: global models are judged here on the shared test set; a
-method without global models is judged by the accuracies the devices measure on the same test
-set after training and report in their upload's ``meta.eval_accuracy``.
+* a round: select devices, announce the round, send every selected device its download, then
+  take uploads until every selected device has reported, or until the deadline when a quorum
+  has reported. A round that misses its quorum is extended once by ``grace_s`` when configured,
+  else closed as failed (its uploads discarded);
+* every upload is checked cheapest first (size, envelope, header, sender = channel, federation,
+  round, body hash, decode without pickle with a size cap, the kinds the method's spec declares,
+  then the method's own checks) and answered: ``ack`` (accepted, duplicate or late) or ``nack``
+  with the reason. Nothing a device sends can stop the loop;
+* evaluation (:mod:`edgefl.server.evaluation`), one metrics record per round, the server half's
+  state saved after every round (``--resume`` continues from it), the run's summary.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import RunConfig
 from edgefl.errors import PayloadError
-from edgefl.messages import decode, encode
-from edgefl.sim.setup import sample_clients
+from edgefl.messages import Message, decode, encode
+from edgefl.methods import MethodSpec
+from edgefl.seeding import derive_seed
+from edgefl.server.evaluation import Evaluator
+from edgefl.transport.base import Delivery, ServerTransport
 from edgefl.transport.chunks import Reassembler, split
 from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
-from edgefl.transport.link import Link
-from edgefl.transport.topics import Topics
 
 log = logging.getLogger("edgefl.server")
 MAX_SAMPLES = 10**9
+#: message kinds every method's devices may send besides their method's own uploads: a report
+#: of training with nothing to share, and the answer to an ``evaluate`` request
+CONTROL_KINDS = ("status", "evaluation")
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+def select_devices(cfg: RunConfig, device_ids: list[str], round_no: int) -> list[str]:
+    """This round's participants: ceil(ratio x devices), drawn from (seed, round)."""
+    k = max(1, math.ceil(cfg.fleet.sample_ratio * len(device_ids) - 1e-9))
+    if k >= len(device_ids):
+        return list(device_ids)
+    rng = np.random.default_rng(derive_seed(cfg.seed, "sample", round_no))
+    return sorted(rng.choice(device_ids, k, replace=False).tolist())
 
 
 @dataclass
 class RoundState:
     round: int
     selected: list[str]
-    deadline: float  # monotonic
-    deadline_unix: float
+    started: float  # transport clock
+    deadline: float  # transport clock
+    evaluate: bool = False
     reported: dict[str, str] = field(default_factory=dict)  # device -> receipt status
+    receipts: dict[str, str] = field(default_factory=dict)  # device -> "status[: reason]"
     rejected: dict[str, list[str]] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
     extended: bool = False
     bytes_up: dict[str, int] = field(default_factory=dict)
     bytes_down: dict[str, int] = field(default_factory=dict)
+    bytes_control: int = 0
     downloads: dict[str, Envelope] = field(default_factory=dict)
     accepted_ids: dict[str, str] = field(default_factory=dict)
     train_loss: dict[str, float] = field(default_factory=dict)
+    work_s: dict[str, float | None] = field(default_factory=dict)  # virtual seconds of work (simulation)
 
 
-class FleetServer:
-    """``run()`` plays ``cfg.rounds`` rounds over ``link`` and returns the history."""
+class Orchestrator:
+    """Plays a config's rounds with ``server`` over ``transport``.
 
-    def __init__(self, cfg: RunConfig, server, device_ids: list[str], link: Link, x_test=None, y_test=None,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+    ``deadline_s`` is in the transport's seconds (virtual in a simulation). ``profiles`` maps
+    device ids to their device class, for the virtual clock's per-class summary."""
+
+    def __init__(self, cfg: RunConfig, spec: MethodSpec, server, transport: ServerTransport | None, device_ids: list[str],
+                 federation: str, evaluator: Evaluator, *, deadline_s: float, profiles: dict[str, str] | None = None,
+                 on_event: EventSink | None = None) -> None:
         self.cfg = cfg
         self.net = cfg.network
+        self.spec = spec
         self.server = server
-        self.device_ids = device_ids
-        self.link = link
-        self.topics = Topics(self.net.federation or cfg.name)
-        self.x_test, self.y_test = x_test, y_test
+        self.transport: ServerTransport = transport  # type: ignore[assignment]  (None until connect())
+        self.device_ids = list(device_ids)
+        self._known = set(device_ids)
+        self.federation = federation
+        self.evaluator = evaluator
+        self.deadline_s = deadline_s
+        self.profiles = profiles or {}
+        self.on_event = on_event or (lambda kind, info: None)
         self.reassembler = Reassembler(self.net.max_message_bytes, self.net.stale_upload_s)
         self.online: dict[str, bool] = {}
-        self.device_accuracy: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
         self.state: RoundState | None = None
-        self.on_event = on_event or (lambda kind, info: None)
-        self.rejections: list[tuple[str, str]] = []  # (device, reason), every one
+        self.rejections: list[tuple[str, str]] = []
         self.early: dict[str, tuple[Envelope, int]] = {}
         self.last_round = 0  # the last round closed (restored on resume)
-        self._connects_seen = link.connect_count
+        self._connects_seen = transport.connects if transport is not None else 0
+        self._evaluation: dict[str, float] | None = None  # answers to evaluate requests, while collected
+        self._evaluation_ids: dict[str, str] = {}  # device -> id of the evaluate request it answers
+
+    def connect(self, transport: ServerTransport) -> None:
+        """Run over ``transport`` (a server that restores its state first connects afterwards)."""
+        self.transport = transport
+        self._connects_seen = transport.connects
 
     # --- sending ------------------------------------------------------------------------------
     def _send(self, device: str, env: Envelope) -> int:
         pieces = split(env, self.net.chunk_bytes, self.net.chunk_threshold)
         for p in pieces:
-            self.link.publish(self.topics.down(device), p)
+            self.transport.send(device, p)
         return sum(len(p) for p in pieces)
 
     def _reply(self, device: str, to: Envelope, kind: str, **extra: Any) -> None:
-        env = Envelope(kind, self.topics.federation, to.round, "server", reply_to=to.message_id,
+        env = Envelope(kind, self.federation, to.round, "server", reply_to=to.message_id,
                        model_version=self._model_version(), extra=extra)
-        self.link.publish(self.topics.down(device), pack(env))
+        self.transport.send(device, pack(env))
 
     def _model_version(self) -> int:
-        return self.state.round if self.state else 0
+        return self.state.round if self.state else self.last_round
 
     def announce(self, round_no: int, info: dict[str, Any]) -> None:
-        env = Envelope("round", self.topics.federation, round_no, "server", model_version=round_no, extra={"info": info})
-        self.link.publish(self.topics.rounds, pack(env), retain=True)
+        env = Envelope("round", self.federation, round_no, "server", model_version=round_no, extra={"info": info})
+        self.transport.announce(pack(env))
 
     # --- receiving ----------------------------------------------------------------------------
-    def handle(self, topic: str, payload: bytes) -> None:
-        """One incoming MQTT message. Never raises: every problem becomes a logged nack."""
-        device = self.topics.device_of(topic)
-        if topic == self.topics.presence("server"):
-            return  # our own retained presence
-        if device is None or device not in self.device_ids:
-            self._reject(device or topic, None, f"message on an unknown topic or from an unknown device ({topic})")
+    def handle(self, item: Delivery) -> None:
+        """One delivery from the transport. Never raises: every problem becomes a logged nack."""
+        device = item.peer
+        if item.channel == "unknown" or device is None or device not in self._known:
+            self._reject(device or item.where, None, f"message on an unknown channel or from an unknown device ({item.where or device})")
             return
-        if topic == self.topics.presence(device):
-            was = self.online.get(device, False)
-            self.online[device] = payload == b"online"
-            if self.online[device] != was:
-                self.on_event("presence", {"device": device, "online": self.online[device]})
-            st = self.state
-            if self.online[device] and not was and st is not None and device in st.selected and device not in st.reported:
-                # a device that (re)joined mid-round may have missed its download: send it again
-                # (the device ignores a second copy of a round it has served)
-                self._send(device, st.downloads[device])
+        if item.channel == "presence":
+            self._presence(device, bool(item.online))
             return
-        env = self._checked(device, payload, None)
+        env = self._checked(device, item.payload, None)
         if env is None:
             return
         if env.type == "chunk":
@@ -134,7 +160,18 @@ class FleetServer:
         if env.type != "upload":
             self._reject(device, env, f"devices send uploads and chunks, not {env.type!r}")
             return
-        self._upload(device, env, len(payload))
+        self._upload(device, env, len(item.payload), item.facts)
+
+    def _presence(self, device: str, online: bool) -> None:
+        was = self.online.get(device, False)
+        self.online[device] = online
+        if online != was:
+            self.on_event("presence", {"device": device, "online": online})
+        st = self.state
+        if online and not was and st is not None and device in st.selected and device not in st.reported:
+            # a device that (re)joined mid-round may have missed its download: send it again
+            # (the device ignores a second copy of a round it has served)
+            self._send(device, st.downloads[device])
 
     def _checked(self, device: str, data: bytes, carrier: Envelope | None) -> Envelope | None:
         """Unpack and check an envelope's identity; on failure nack (answering ``carrier``, the
@@ -147,32 +184,44 @@ class FleetServer:
         if env.sender != device:
             self._reject(device, env, f"sender {env.sender!r} in the header is not the topic's device {device!r}")
             return None
-        if env.federation != self.topics.federation:
-            self._reject(device, env, f"federation {env.federation!r} is not {self.topics.federation!r}")
+        if env.federation != self.federation:
+            self._reject(device, env, f"federation {env.federation!r} is not {self.federation!r}")
             return None
         return env
 
-    def _upload(self, device: str, env: Envelope, size: int) -> None:
-        st = self.state
+    def _decoded(self, device: str, env: Envelope) -> Message | None:
         if env.codec != "safetensors":
             self._reject(device, env, f"an upload's codec must be safetensors, not {env.codec!r}")
-            return
+            return None
         try:
             message = decode(env.body, self.net.max_message_bytes)
         except PayloadError as exc:
             self._reject(device, env, str(exc))
-            return
+            return None
         if message.sender != device or message.round != env.round or message.message_id != env.message_id:
             self._reject(device, env, "the message inside disagrees with its envelope (sender, round or id)")
-            return
+            return None
         declared = env.extra.get("tensors")
         if declared is not None and declared != tensor_manifest(message.tensors):
             self._reject(device, env, "the body's tensors (dtype or shape) differ from the header's 'tensors' manifest")
-            return
+            return None
+        if message.kind not in self.spec.uploads and message.kind not in CONTROL_KINDS:
+            self._reject(device, env, f"{self.spec.name} devices upload {' or '.join(self.spec.uploads)}, not {message.kind!r}")
+            return None
         problem = self._sanity(message, env)
         if problem:
             self._reject(device, env, problem)
+            return None
+        return message
+
+    def _upload(self, device: str, env: Envelope, size: int, facts: dict[str, Any]) -> None:
+        message = self._decoded(device, env)
+        if message is None:
             return
+        if message.kind == "evaluation":
+            self._evaluation_answer(device, env, message)
+            return
+        st = self.state
         current = st.round if st else self.last_round
         if message.round > current:
             if message.round <= self.cfg.rounds and message.round == current + 1:
@@ -185,7 +234,7 @@ class FleetServer:
         if message.round < 1:
             self._reject(device, env, "rounds start at 1")
             return
-        if st is None and not self.server.asynchronous:
+        if st is None and not self.spec.asynchronous:
             # between rounds a synchronous server must not hold anything: it would count in the next round
             self._reply(device, env, "ack", status="late", reason=f"round {message.round} is closed; not used")
             self.on_event("late", {"device": device, "round": message.round, "status": "late"})
@@ -197,40 +246,66 @@ class FleetServer:
                 and message.message_id != st.accepted_ids.get(device):
             self._reject(device, env, f"one accepted update per device per round: {device} already has one in round {current}")
             return
+        if message.kind == "status" and not message.tensors:
+            receipt_status, reason = self._status_report(message)
+        else:
+            receipt_status, reason = self._server_receipt(device, message)
+        if receipt_status == "rejected":
+            self._reject(device, env, reason)
+            return
+        self._reply(device, env, "ack", status=receipt_status, **({"reason": reason} if reason else {}))
+        if message.meta.get("eval_accuracy") is not None and receipt_status != "duplicate":
+            self.evaluator.device_reported(device, message.meta["eval_accuracy"])
+        if st is None:
+            return
+        if message.round < current or receipt_status == "late":
+            st.late.append(device)
+            self.on_event("late", {"device": device, "round": message.round, "status": receipt_status})
+            return
+        if receipt_status == "accepted" or device not in st.reported:
+            st.reported[device] = receipt_status
+            st.receipts[device] = receipt_status if not reason else f"{receipt_status}: {reason}"
+            if receipt_status == "accepted":
+                st.accepted_ids[device] = message.message_id
+            if message.kind in CONTROL_KINDS:
+                st.bytes_control += size
+            else:
+                st.bytes_up[device] = st.bytes_up.get(device, 0) + len(env.body)
+            if message.meta.get("train_loss") is not None:
+                st.train_loss[device] = round(float(message.meta["train_loss"]), 6)
+            if "work_s" in facts:
+                st.work_s[device] = facts["work_s"]
+            self.on_event("upload", {"device": device, "round": current, "status": receipt_status})
+
+    def _status_report(self, message: Message) -> tuple[str, str]:
+        """A report of training with nothing to share: the server half does not see it unless
+        the method uploads status reports (local-only)."""
+        if "status" in self.spec.uploads:
+            return self._server_receipt(message.sender, message)
+        return "rejected", f"{self.spec.name} devices upload {' or '.join(self.spec.uploads)}, not an empty status report"
+
+    def _server_receipt(self, device: str, message: Message) -> tuple[str, str]:
         try:
             receipt = self.server.receive(message)
         except Exception as exc:  # a method's check that raised instead of answering: still a nack
             log.exception("server half raised on %s's upload", device)
-            receipt = None
-            reason = f"server could not use the upload: {type(exc).__name__}: {exc}"
-        if receipt is None or not receipt.ok:
-            self._reject(device, env, receipt.reason if receipt is not None else reason)
-            return
-        self._reply(device, env, "ack", status=receipt.status, **({"reason": receipt.reason} if receipt.reason else {}))
-        if st is None:
-            return
-        if message.round < current or receipt.status == "late":
-            st.late.append(device)
-            self.on_event("late", {"device": device, "round": message.round, "status": receipt.status})
-            return
-        if receipt.status == "accepted" or device not in st.reported:
-            st.reported[device] = receipt.status
-            if receipt.status == "accepted":
-                st.accepted_ids[device] = message.message_id
-            st.bytes_up[device] = st.bytes_up.get(device, 0) + size
-            if message.meta.get("train_loss") is not None:
-                st.train_loss[device] = float(message.meta["train_loss"])
-            if isinstance(message.meta.get("eval_accuracy"), float):
-                self.device_accuracy[device] = message.meta["eval_accuracy"]
-            self.on_event("upload", {"device": device, "round": current, "status": receipt.status})
+            return "rejected", f"server could not use the upload: {type(exc).__name__}: {exc}"
+        return receipt.status, receipt.reason
 
-    def _sanity(self, message, env: Envelope) -> str | None:
+    def _sanity(self, message: Message, env: Envelope) -> str | None:
         """Method-independent checks of a decoded upload: model version, sample count, values."""
         if env.model_version != message.round:
             return f"model version {env.model_version} does not match round {message.round}"
         n = message.meta.get("num_samples")
         if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_SAMPLES:
             return f"num_samples must be an integer in 1..{MAX_SAMPLES}, got {n!r}"
+        accuracy = message.meta.get("eval_accuracy")
+        if accuracy is not None and (not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool)
+                                     or not 0.0 <= float(accuracy) <= 1.0):
+            return f"eval_accuracy must be a number in [0, 1], got {str(accuracy)[:40]}"
+        loss = message.meta.get("train_loss")
+        if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss)):
+            return f"train_loss must be a finite number, got {str(loss)[:40]}"
         for name, t in message.tensors.items():
             if t.is_floating_point() and t.numel():
                 if not bool(torch.isfinite(t).all()):
@@ -245,13 +320,13 @@ class FleetServer:
         if self.state is not None:
             self.state.rejected.setdefault(device, []).append(reason)
         self.on_event("rejected", {"device": device, "reason": reason})
-        if device not in self.device_ids:
+        if device not in self._known:
             return
         if env is None:
             # nothing to reply to (the envelope did not parse): the nack still tells the device why
-            nack = Envelope("nack", self.topics.federation, self.state.round if self.state else 0, "server",
+            nack = Envelope("nack", self.federation, self._model_version(), "server",
                             model_version=self._model_version(), extra={"reason": reason[:500]})
-            self.link.publish(self.topics.down(device), pack(nack))
+            self.transport.send(device, pack(nack))
             return
         missing = []
         if env.type == "chunk":
@@ -262,40 +337,64 @@ class FleetServer:
         """After the server's own reconnect (a broker restart) presence is unknown again: the next
         "online" of a selected device that has not reported re-sends its download (the broker may
         have lost it)."""
-        if self.link.connect_count != self._connects_seen:
-            self._connects_seen = self.link.connect_count
+        if self.transport.connects != self._connects_seen:
+            self._connects_seen = self.transport.connects
             self.online = {}
             self.on_event("reconnected", {"connects": self._connects_seen})
+
+    def _pump(self, timeout_s: float) -> None:
+        item = self.transport.receive(timeout_s)
+        self._check_reconnect()
+        if item is not None:
+            self.handle(item)
+        for device, upload_id, missing in self.reassembler.collect_stale():
+            reason = f"partial upload {upload_id} went stale; missing chunks {missing[:10]}"
+            self._reject(device, None, reason)
+            env = Envelope("nack", self.federation, self._model_version(), "server", reply_to=upload_id,
+                           extra={"reason": reason, "missing": missing})
+            self.transport.send(device, pack(env))
 
     # --- rounds -------------------------------------------------------------------------------
     def wait_for_devices(self, timeout_s: float) -> list[str]:
         """Before the first round: wait until every device is online (its subscription exists, so
         its downloads are queued for it from now on) or the timeout passes; returns who is missing."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end and not all(self.online.get(d) for d in self.device_ids):
-            item = self.link.get(min(end - time.monotonic(), 0.5))
+        end = self.transport.now() + timeout_s
+        while self.transport.now() < end and not all(self.online.get(d) for d in self.device_ids):
+            item = self.transport.receive(min(end - self.transport.now(), 0.5))
             if item is not None:
-                self.handle(item.topic, item.payload)
+                self.handle(item)
         missing = [d for d in self.device_ids if not self.online.get(d)]
         self.on_event("joined", {"online": len(self.device_ids) - len(missing), "missing": missing})
         return missing
 
+    def is_eval_round(self, r: int) -> bool:
+        return r % self.cfg.eval.every == 0 or r == self.cfg.rounds
+
     def run_round(self, r: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        selected = sample_clients(self.cfg, self.device_ids, r)
+        wall0 = time.perf_counter()
+        selected = select_devices(self.cfg, self.device_ids, r)
         self.server.begin_round(r)
-        now = time.time()
-        st = self.state = RoundState(r, selected, time.monotonic() + self.net.round_deadline_s, now + self.net.round_deadline_s)
-        self.announce(r, {"selected": selected, "deadline_unix": st.deadline_unix, "rounds": self.cfg.rounds, "done": False})
+        now = self.transport.now()
+        evaluate = self.is_eval_round(r)
+        st = self.state = RoundState(r, selected, now, now + self.deadline_s, evaluate)
+        self.announce(r, {"selected": selected, "deadline_unix": time.time() + self.deadline_s, "rounds": self.cfg.rounds,
+                          "done": False})
+        # devices judge their own models only when no global model will judge them
+        info = {"info": {"evaluate": True}} if evaluate and self.evaluator.devices_report(self.server) else {}
         for device in selected:
             down = self.server.downlink(r, device)
             body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
-            env = st.downloads[device] = Envelope("download", self.topics.federation, r, "server", body, model_version=r, codec=codec)
-            st.bytes_down[device] = self._send(device, env)
+            env = st.downloads[device] = Envelope("download", self.federation, r, "server", body, model_version=r, codec=codec,
+                                                  extra=info)
+            sent = self._send(device, env)
+            if down is not None:
+                st.bytes_down[device] = len(body)
+            else:
+                st.bytes_control += sent
         self.on_event("round", {"round": r, "selected": selected})
         for device, (early, size) in sorted(self.early.items()):
             if early.round == r:
-                self._upload(device, early, size)
+                self._upload(device, early, size, {})
         self.early = {}
         outcome = self._collect(st)
         if outcome == "failed":
@@ -303,11 +402,20 @@ class FleetServer:
             server_record: dict[str, Any] = {"failed": True}
         else:
             server_record = self.server.close_round(r)
-        record = self._record(st, outcome, server_record, time.perf_counter() - t0)
-        self.history.append(record)
-        self.on_event("closed", record)
+        closed = self.transport.now()
+        train_time = time.perf_counter() - wall0
+        self._note_stragglers(st)
         self.state = None
         self.last_round = r
+        accuracy, eval_time = None, 0.0
+        if outcome != "failed" and evaluate:
+            t1 = time.perf_counter()
+            accuracy = self.evaluate(r)
+            eval_time = time.perf_counter() - t1
+        record = self._record(st, outcome, server_record, accuracy, closed - st.started, train_time, eval_time,
+                              time.perf_counter() - wall0)
+        self.history.append(record)
+        self.on_event("closed", record)
         return record
 
     def _collect(self, st: RoundState) -> str:
@@ -315,7 +423,7 @@ class FleetServer:
         while True:
             if all(d in st.reported for d in st.selected):
                 return "complete"
-            remaining = st.deadline - time.monotonic()
+            remaining = st.deadline - self.transport.now()
             if remaining <= 0:
                 if len(st.reported) >= quorum:
                     return "deadline"
@@ -325,64 +433,107 @@ class FleetServer:
                     self.on_event("extended", {"round": st.round, "reported": len(st.reported), "quorum": quorum})
                     continue
                 return "failed"
-            item = self.link.get(min(remaining, 1.0))
-            self._check_reconnect()
-            if item is not None:
-                self.handle(item.topic, item.payload)
-            for device, upload_id, missing in self.reassembler.collect_stale():
-                reason = f"partial upload {upload_id} went stale; missing chunks {missing[:10]}"
-                self._reject(device, None, reason)
-                env = Envelope("nack", self.topics.federation, st.round, "server", reply_to=upload_id,
-                               extra={"reason": reason, "missing": missing})
-                self.link.publish(self.topics.down(device), pack(env))
+            self._pump(min(remaining, 1.0))
 
-    def _record(self, st: RoundState, outcome: str, server_record: dict[str, Any], wall: float) -> dict[str, Any]:
-        evaluate = outcome != "failed" and (st.round % self.cfg.eval.every == 0 or st.round == self.cfg.rounds)
-        return {
+    def _note_stragglers(self, st: RoundState) -> None:
+        """Selected devices whose work is known to be still under way when the round closed (only
+        a simulated network knows): stragglers, with their virtual time."""
+        for device, (round_no, work_s) in self.transport.in_flight().items():
+            if round_no == st.round and device in st.selected and device not in st.reported:
+                st.work_s[device] = work_s
+                over = f"{work_s:.1f} s > {self.deadline_s:g} s deadline" if work_s is not None else "after the deadline"
+                st.receipts[device] = f"dropped: straggler ({over})"
+
+    # --- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, r: int) -> dict[str, Any] | None:
+        """Accuracy after round ``r``: global models judged here where the server can; devices
+        asked to judge the global model on their own data where it cannot (their own test split
+        or feature space); otherwise the accuracies devices reported with their uploads."""
+        targets = self.evaluator.personal_targets(self.server)
+        answers: dict[str, float] = {}
+        if targets:
+            answers = self._ask_devices(r, targets)
+        return self.evaluator.evaluate(self.server, answers)
+
+    def _ask_devices(self, r: int, targets: list[str]) -> dict[str, float]:
+        self._evaluation = {}
+        self._evaluation_ids = {}
+        for device in targets:
+            down = self.server.downlink(r + 1, device)
+            body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
+            env = Envelope("evaluate", self.federation, r, "server", body, model_version=r, codec=codec)
+            self._evaluation_ids[device] = env.message_id
+            self._send(device, env)
+        deadline = self.transport.now() + self.deadline_s
+        while set(self._evaluation) < set(targets) and self.transport.now() < deadline:
+            self._pump(min(deadline - self.transport.now(), 1.0))
+        answers, self._evaluation = self._evaluation, None
+        return answers
+
+    def _evaluation_answer(self, device: str, env: Envelope, message: Message) -> None:
+        if self._evaluation is None or device not in self._evaluation_ids:
+            self._reply(device, env, "ack", status="late", reason="no evaluation is being collected; not used")
+            return
+        accuracy = message.meta.get("eval_accuracy")
+        if accuracy is None:
+            self._reject(device, env, "an evaluation carries meta.eval_accuracy")
+            return
+        self._reply(device, env, "ack", status="accepted")
+        self._evaluation[device] = float(accuracy)
+
+    # --- records ------------------------------------------------------------------------------
+    def _record(self, st: RoundState, outcome: str, server_record: dict[str, Any], accuracy: dict[str, Any] | None,
+                clock_s: float, train_s: float, eval_s: float, wall_s: float) -> dict[str, Any]:
+        missing = sorted(set(st.selected) - set(st.reported))
+        receipts = {d: st.receipts.get(d, "missing: no upload by the deadline") for d in st.selected}
+        record: dict[str, Any] = {
             "round": st.round,
             "outcome": outcome,
             "selected": st.selected,
             "reported": sorted(st.reported),
-            "missing": sorted(set(st.selected) - set(st.reported)),
+            "missing": missing,
             "late": st.late,
             "rejected": st.rejected,
             "extended": st.extended,
+            "receipts": receipts,
             "bytes_up": sum(st.bytes_up.values()),
             "bytes_down": sum(st.bytes_down.values()),
-            "train_loss": st.train_loss,
+            "bytes_up_per_client": dict(sorted(st.bytes_up.items())),
+            "bytes_down_per_client": dict(sorted(st.bytes_down.items())),
+            "bytes_control": st.bytes_control,
+            "train_loss": dict(sorted(st.train_loss.items())),
+            "accuracy": accuracy,
             "server": server_record,
-            "accuracy": self.evaluate() if evaluate else None,
-            "round_time_s": round(wall, 4),
+            "round_time_s": round(wall_s, 4),
+            "train_time_s": round(train_s, 4),
+            "eval_time_s": round(eval_s, 4),
         }
+        if self.transport.virtual_clock and any(d in self.profiles for d in st.selected):
+            self._clock_record(record, st, clock_s)
+        return record
 
-    def evaluate(self) -> dict[str, Any] | None:
-        """Global models judged here; otherwise the devices' own reported accuracies."""
-        globals_ = self.server.global_models()
-        per_arch: dict[str, float] = {}
-        per_client: dict[str, float] = {}
-        if globals_ and self.x_test is not None:
-            for arch, state in globals_.items():
-                model = self.server.build_global(arch)
-                model.load_state_dict(state)
-                per_arch[arch] = evaluate_accuracy(model, self.x_test, self.y_test, self.cfg.eval.batch_size)
-            for device in self.device_ids:
-                arch = self.server.clients[device].arch
-                if arch in per_arch:
-                    per_client[device] = per_arch[arch]
-        elif self.device_accuracy:
-            per_client = dict(sorted(self.device_accuracy.items()))
-            groups: dict[str, list[float]] = {}
-            for device, acc in per_client.items():
-                groups.setdefault(self.server.clients[device].arch, []).append(acc)
-            per_arch = {a: statistics.fmean(v) for a, v in groups.items()}
-        else:
-            return None
-        scores = list(per_client.values()) or list(per_arch.values())
-        return {"overall": statistics.fmean(scores), "per_arch": per_arch, "per_client": per_client}
+    def _clock_record(self, record: dict[str, Any], st: RoundState, clock_s: float) -> None:
+        times = {d: (None if st.work_s.get(d) is None else round(st.work_s[d], 4)) for d in st.selected if d in self.profiles}
+        stragglers = sorted(d for d in st.selected if d not in st.reported and d in st.work_s)
+        by_profile: dict[str, list[float]] = {}
+        for device, t in times.items():
+            if t is not None:
+                by_profile.setdefault(self.profiles[device], []).append(t)
+        finished = [t for d, t in times.items() if t is not None and d not in stragglers]
+        record.update({
+            "virtual_time_s": times,
+            "virtual_time_by_profile": {k: round(statistics.fmean(v), 4) for k, v in sorted(by_profile.items())},
+            "stragglers": stragglers,
+            "round_virtual_s": round(clock_s, 4) if stragglers else (max(finished) if finished else None),
+        })
 
-    def run(self) -> list[dict[str, Any]]:
-        for r in range(1, self.cfg.rounds + 1):
-            self.run_round(r)
+    # --- the whole run ------------------------------------------------------------------------
+    def run(self, first_round: int = 1, after_round: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+        """Play rounds ``first_round`` .. ``cfg.rounds`` (``after_round``: called with each record,
+        to write it and save the state), then announce that the run is done."""
+        for r in range(first_round, self.cfg.rounds + 1):
+            record = self.run_round(r)
+            if after_round is not None:
+                after_round(record)
         self.announce(self.cfg.rounds, {"done": True, "rounds": self.cfg.rounds})
         return self.history
-

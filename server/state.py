@@ -27,8 +27,6 @@ from torch import nn
 from edgefl.errors import PayloadError
 
 FORMAT = "edgefl-server-state/1"
-# rebuilt from the config, never restored from a file
-SKIP = {"clients", "options", "seed", "num_classes", "input_shape", "kind_of", "dataset"}
 
 
 class _Encoder:
@@ -103,7 +101,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], existing: Any = None) -
 def save_state(server: Any, path: Path, extra: dict[str, Any]) -> Path:
     """Write every attribute of ``server`` except the ones rebuilt from the config."""
     enc = _Encoder()
-    skeleton = {name: enc(value) for name, value in vars(server).items() if name not in SKIP and not name.startswith("__")}
+    skip = type(server).config_attributes  # rebuilt from the config, never restored from a file
+    skeleton = {name: enc(value) for name, value in vars(server).items() if name not in skip and not name.startswith("__")}
     meta = {"format": FORMAT, "server_class": f"{type(server).__module__}:{type(server).__qualname__}", "extra": extra,
             "attributes": skeleton}
     path.parent.mkdir(parents=True, exist_ok=True)

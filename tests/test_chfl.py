@@ -92,19 +92,19 @@ def test_modes_run_and_distil_from_the_second_epoch(mode):
 
 @pytest.mark.parametrize("mode, starts_from_global", [("avg", True), ("avgkd", True), ("kd", False)])
 def test_which_modes_start_each_epoch_from_the_global_head(mode, starts_from_global, monkeypatch):
-    import edgefl.algorithms.chfl as chfl
+    import edgefl.algorithms.base as base  # ClientHalf.train_locally runs every local loop
 
     sim = run(tabular(mode, rounds=2))
     client = next(iter(sim.clients.values()))
     down = sim.server.downlink(3, client.client_id)
     seen = {}
-    real = chfl.train_local
+    real = base.train_local
 
     def spy(model, *a, **kw):
         seen["head"] = model.head.weight.detach().clone()
         return real(model, *a, **kw)
 
-    monkeypatch.setattr(chfl, "train_local", spy)
+    monkeypatch.setattr(base, "train_local", spy)
     client.fit(down, 3)
     assert torch.equal(seen["head"], down.tensors["weight"]) == starts_from_global
 

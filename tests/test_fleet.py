@@ -408,7 +408,7 @@ def test_a_fleet_runs_on_the_embedded_broker_too(tmp_path):
 def test_every_server_half_survives_a_save_and_restore(method, tmp_path):
     from edgefl.server.state import load_state, save_state
     from edgefl.sim import Simulation
-    from edgefl.sim.setup import build_server
+    from edgefl.build import build_server
 
     raw = digits_config(method, rounds=2)
     for g in raw["fleet"]["groups"]:

@@ -1,6 +1,6 @@
-"""Client halves of the federated methods, one module per method."""
+"""Client halves of the federated methods, one module per method (the registry of methods, with
+their server halves and traits, is :mod:`edgefl.methods`)."""
 
 from edgefl.algorithms.base import ClientHalf, ClientSetup, MethodOptions
-from edgefl.algorithms.registry import METHODS, MethodSpec, get_method
 
-__all__ = ["METHODS", "ClientHalf", "ClientSetup", "MethodOptions", "MethodSpec", "get_method"]
+__all__ = ["ClientHalf", "ClientSetup", "MethodOptions"]

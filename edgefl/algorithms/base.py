@@ -1,15 +1,21 @@
-"""The client half of a method: trains on the device's data and turns downlinks into uplinks."""
+"""The client half of a method: trains on the device's data and turns downlinks into uplinks.
+
+A client half runs unchanged in a simulation and on a device (:mod:`edgefl.device` drives it);
+docs/adding-a-method.md walks through writing one.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from edgefl.algorithms.training import evaluate_accuracy
+from edgefl.algorithms.training import TrainStats, evaluate_accuracy, train_local
 from edgefl.config import TrainSettings
 from edgefl.data.views import View
 from edgefl.messages import Message
@@ -40,11 +46,19 @@ class ClientSetup:
     y_test: torch.Tensor | None = None
 
 
-class ClientHalf:
-    """Base of client halves. Subclasses implement :meth:`fit` and, when the server sends state
-    that changes the model (weights), :meth:`receive`."""
+class ClientHalf(ABC):
+    """Base of client halves.
 
-    uploads_kind: ClassVar[str] = "status"
+    Subclasses implement :meth:`fit` (apply the download, train, return the upload) and, when
+    the server sends state that changes the model (weights), :meth:`receive`. What a method's
+    clients upload is declared on its :class:`~edgefl.methods.MethodSpec` (``uploads``).
+    :meth:`train_locally` and :meth:`reply` are the usual body of a ``fit``::
+
+        def fit(self, downlink, round_no):
+            self.receive(downlink)
+            self.train_locally(round_no, lambda x, y: F.cross_entropy(self.model(x), y))
+            return self.reply("weights", round_no, self.model.state_dict())
+    """
 
     def __init__(self, setup: ClientSetup, options: MethodOptions) -> None:
         self.setup = setup
@@ -69,24 +83,50 @@ class ClientHalf:
     def class_counts(self) -> list[int]:
         return torch.bincount(self.setup.y, minlength=self.setup.num_classes).tolist()
 
-    def round_generator(self, round: int) -> torch.Generator:
-        """Seeds this round's batch order and the global RNG (dropout) from (seed, client, round)."""
-        torch.manual_seed(derive_seed(self.setup.seed, "client-rng", self.client_id, round))
-        return generator(self.setup.seed, "client-order", self.client_id, round)
+    def num_test_samples(self, y_shared: torch.Tensor | None) -> int:
+        """How many samples :meth:`evaluate` judges on (its own split, else the shared set)."""
+        if self.setup.y_test is not None:
+            return len(self.setup.y_test)
+        return 0 if y_shared is None else len(y_shared)
 
-    def record(self, stats) -> None:
+    def round_generator(self, round_no: int) -> torch.Generator:
+        """Seeds this round's batch order and the global RNG (dropout) from (seed, client, round)."""
+        torch.manual_seed(derive_seed(self.setup.seed, "client-rng", self.client_id, round_no))
+        return generator(self.setup.seed, "client-order", self.client_id, round_no)
+
+    def record(self, stats: TrainStats) -> None:
         """Keep what the last local training did (loss for the metrics, samples for the clock)."""
         self.last_train_loss = stats.mean_loss
         self.last_train_samples = stats.samples
 
-    def base_meta(self, round: int) -> dict:
+    def train_locally(self, round_no: int, loss_fn: Callable[..., torch.Tensor], generator: torch.Generator | None = None,
+                      **hooks: Any) -> TrainStats:
+        """One round of local training on the device's data with this round's seeded batch order
+        (``generator``: one the caller already drew from :meth:`round_generator`), recorded for
+        the metrics and the clock. ``hooks`` go to :func:`~edgefl.algorithms.training.train_local`
+        (``extras``, ``after_backward``, ``after_step``)."""
+        gen = self.round_generator(round_no) if generator is None else generator
+        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, loss_fn, **hooks)
+        self.record(stats)
+        return stats
+
+    def base_meta(self, round_no: int) -> dict:
         return {"num_samples": self.num_samples, "arch": self.setup.arch, "train_loss": self.last_train_loss}
 
-    def receive(self, downlink: Message | None) -> None:
+    def reply(self, kind: str, round_no: int, tensors: dict[str, torch.Tensor], **meta: Any) -> Message:
+        """The upload answering a round: detached copies of ``tensors`` (a state dict may be
+        passed as is) and the metadata every upload carries (sample count, architecture, loss)
+        plus ``meta``."""
+        copies = {name: t.detach().clone() for name, t in tensors.items()}
+        return Message(kind, round_no, self.client_id, copies, {**self.base_meta(round_no), **meta})
+
+    def receive(self, downlink: Message | None) -> None:  # noqa: B027  (optional hook: most methods send nothing to apply)
         """Apply what the server sent without training (before evaluation or before :meth:`fit`)."""
 
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
-        raise NotImplementedError
+    @abstractmethod
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
+        """Apply ``downlink``, train one round, return the upload (kind ``status`` when the method
+        shares nothing, so the server still learns that the device trained)."""
 
     def evaluate(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None, batch_size: int = 1000) -> float:
         """Accuracy on the device's own test split when it has one, else on ``x, y`` seen

@@ -29,7 +29,6 @@ from torch.nn import functional as F
 from edgefl.algorithms.base import ClientHalf, MethodOptions
 from edgefl.algorithms.dkd import chfl_temperature, dkd_loss
 from edgefl.algorithms.fedavg import load_weights
-from edgefl.algorithms.training import train_local
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed
@@ -44,7 +43,6 @@ class CHFLOptions(MethodOptions):
 
 
 class CHFLClient(ClientHalf):
-    uploads_kind = "head"
 
     def __init__(self, setup, options: CHFLOptions) -> None:
         super().__init__(setup, options)
@@ -84,14 +82,14 @@ class CHFLClient(ClientHalf):
         self.model.train(was_training)
         return F.linear(feats, self.global_head["weight"], self.global_head["bias"])
 
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
         self.receive(downlink)
         opts: CHFLOptions = self.options  # type: ignore[assignment]
         if opts.mode in ("avg", "avgkd") and self.global_head is not None:
             load_weights(self.model.head, self.global_head)
-        distill = opts.mode in ("kd", "avgkd") and round > 1 and self.global_head is not None and opts.alpha > 0
-        temperature = chfl_temperature(round, max(self.setup.total_rounds, round), opts.beta)
-        gen = self.round_generator(round)
+        distill = opts.mode in ("kd", "avgkd") and round_no > 1 and self.global_head is not None and opts.alpha > 0
+        temperature = chfl_temperature(round_no, max(self.setup.total_rounds, round_no), opts.beta)
+        gen = self.round_generator(round_no)  # drawn before the teacher's logits, as it always was
         if distill:
             teacher = self._teacher_logits()
 
@@ -99,10 +97,7 @@ class CHFLClient(ClientHalf):
                 logits = self.model(xb)
                 return F.cross_entropy(logits, yb) + dkd_loss(logits, tb, yb, temperature, opts.alpha)
 
-            stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, loss_fn, extras=(teacher,))
+            self.train_locally(round_no, loss_fn, generator=gen, extras=(teacher,))
         else:
-            stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen,
-                                lambda xb, yb: F.cross_entropy(self.model(xb), yb))
-        self.record(stats)
-        meta = {**self.base_meta(round), "temperature": temperature if distill else None}
-        return Message("head", round, self.client_id, self.head_state(), meta)
+            self.train_locally(round_no, lambda xb, yb: F.cross_entropy(self.model(xb), yb), generator=gen)
+        return self.reply("head", round_no, self.head_state(), temperature=temperature if distill else None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
-from edgefl.algorithms.training import train_local
 from edgefl.errors import PayloadError
 from edgefl.messages import Message
 
@@ -32,16 +31,11 @@ def load_weights(model, tensors) -> None:
 
 
 class FedAvgClient(ClientHalf):
-    uploads_kind = "weights"
-
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "weights":
             load_weights(self.model, downlink.tensors)
 
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
         self.receive(downlink)
-        gen = self.round_generator(round)
-        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
-        self.record(stats)
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return Message("weights", round, self.client_id, weights, self.base_meta(round))
+        self.train_locally(round_no, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
+        return self.reply("weights", round_no, self.model.state_dict())

@@ -18,7 +18,6 @@ from pydantic import Field
 from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
-from edgefl.algorithms.training import train_local
 from edgefl.messages import Message
 
 
@@ -76,8 +75,6 @@ class LogitCollector:
 
 
 class FedHeClient(ClientHalf):
-    uploads_kind = "class_logits"
-
     def __init__(self, setup, options: FedHeOptions) -> None:
         super().__init__(setup, options)
         self.server_logits: torch.Tensor | None = None
@@ -88,10 +85,10 @@ class FedHeClient(ClientHalf):
             self.server_logits = downlink.tensors["logits"].float()
             self.server_mask = downlink.tensors["mask"].bool()
 
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
         self.receive(downlink)
         opts: FedHeOptions = self.options  # type: ignore[assignment]
-        distill = round > opts.warmup_rounds and self.server_logits is not None
+        distill = round_no > opts.warmup_rounds and self.server_logits is not None
         teacher, mask = (self.server_logits, self.server_mask) if distill else (None, None)
         collector = LogitCollector(self.setup.num_classes)
 
@@ -100,8 +97,6 @@ class FedHeClient(ClientHalf):
             collector.add(logits, yb)
             return fedhe_loss(logits, yb, teacher, mask, opts)
 
-        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, self.round_generator(round), loss_fn)
-        self.record(stats)
+        self.train_locally(round_no, loss_fn)
         classes, avg, counts = collector.averages()
-        tensors = {"logits": avg, "classes": classes, "counts": counts}
-        return Message("class_logits", round, self.client_id, tensors, self.base_meta(round))
+        return self.reply("class_logits", round_no, {"logits": avg, "classes": classes, "counts": counts})

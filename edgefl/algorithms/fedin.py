@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
 from edgefl.algorithms.fedavg import load_weights
-from edgefl.algorithms.training import make_optimizer, train_local
+from edgefl.algorithms.training import make_optimizer
 from edgefl.errors import PayloadError
 from edgefl.messages import Message
 
@@ -119,7 +119,6 @@ def split_pairs(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 
 class FedINClient(ClientHalf):
-    uploads_kind = "weights"
     options: FedINOptions
 
     def __init__(self, setup, options) -> None:
@@ -133,7 +132,7 @@ class FedINClient(ClientHalf):
             weights, _, _ = split_pairs(downlink.tensors)
             load_weights(self.model, weights)
 
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
         opts = self.options
         self.receive(downlink)
         s_in = s_out = None
@@ -142,7 +141,7 @@ class FedINClient(ClientHalf):
         model = self.model
         anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
         inter = [p for p in model.intermediate.parameters() if p.requires_grad]
-        gen = self.round_generator(round)
+        gen = self.round_generator(round_no)
 
         def local_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             loss = F.cross_entropy(model(xb), yb)
@@ -175,14 +174,12 @@ class FedINClient(ClientHalf):
                     p.grad = g
                 in_opt.step()
 
-        stats = train_local(model, self.setup.x, self.setup.y, self.setup.train, gen, local_loss,
-                            after_backward=after_backward, after_step=after_step)
-        self.record(stats)
-        tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.train_locally(round_no, local_loss, generator=gen, after_backward=after_backward, after_step=after_step)
+        tensors = dict(model.state_dict())
         if opts.in_training:  # without IN training (FedAvg/FedProx) nobody uses pairs: do not send them
             pair_in, pair_out = self.feature_pairs(gen)
             tensors[PAIRS_PREFIX + "s_in"], tensors[PAIRS_PREFIX + "s_out"] = pair_in, pair_out
-        return Message("weights", round, self.client_id, tensors, self.base_meta(round))
+        return self.reply("weights", round_no, tensors)
 
     @torch.no_grad()
     def feature_pairs(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,6 @@ from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
 from edgefl.algorithms.fedavg import load_weights
-from edgefl.algorithms.training import train_local
 from edgefl.messages import Message
 from edgefl.models.cvae import CVAE
 
@@ -84,25 +83,18 @@ class FedMHOClient(ClientHalf):
     def judged(self) -> bool:
         return not is_generator(self.model)
 
-    @property
-    def uploads_kind(self) -> str:  # type: ignore[override]
-        return "decoder" if is_generator(self.model) else "weights"
-
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "weights" and not is_generator(self.model):
             load_weights(self.model, downlink.tensors)
 
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
         self.receive(downlink)
-        gen = self.round_generator(round)
         if is_generator(self.model):
-            return self._fit_cvae(gen, round)
-        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
-        self.record(stats)
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return Message("weights", round, self.client_id, weights, self.base_meta(round))
+            return self._fit_cvae(round_no)
+        self.train_locally(round_no, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
+        return self.reply("weights", round_no, self.model.state_dict())
 
-    def _fit_cvae(self, gen: torch.Generator, round: int) -> Message:
+    def _fit_cvae(self, round_no: int) -> Message:
         model: CVAE = self.model  # type: ignore[assignment]
         num_classes = self.setup.num_classes
 
@@ -112,10 +104,9 @@ class FedMHOClient(ClientHalf):
 
         if float(self.setup.x.min()) < 0 or float(self.setup.x.max()) > 1:
             raise ValueError("a CVAE client needs inputs in [0, 1] (its reconstruction loss is a binary cross-entropy)")
-        self.record(train_local(model, self.setup.x, self.setup.y, self.setup.train, gen, loss))
-        decoder = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(DECODER_PREFIX)}
-        meta = {**self.base_meta(round), "class_counts": self.class_counts(), "latent": model.latent}
-        return Message("decoder", round, self.client_id, decoder, meta)
+        self.train_locally(round_no, loss)
+        decoder = {k: v for k, v in model.state_dict().items() if k.startswith(DECODER_PREFIX)}
+        return self.reply("decoder", round_no, decoder, class_counts=self.class_counts(), latent=model.latent)
 
     def evaluate(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None, batch_size: int = 1000) -> float:
         if is_generator(self.model):

@@ -33,7 +33,6 @@ from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
 from edgefl.algorithms.fedavg import load_weights
-from edgefl.algorithms.training import train_local
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
 
@@ -107,8 +106,6 @@ def warmup_rounds(options: FeloOptions, total_rounds: int) -> int:
 
 
 class FeloClient(ClientHalf):
-    uploads_kind = "class_features"
-
     def __init__(self, setup, options: FeloOptions) -> None:
         super().__init__(setup, options)
         width = getattr(self.model, "feature_dim", None)
@@ -132,12 +129,12 @@ class FeloClient(ClientHalf):
             self.server_logits = t[KNOWLEDGE + "logits"].float()
             self.server_mask = t[KNOWLEDGE + "mask"].bool()
 
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
         self.receive(downlink)
         opts: FeloOptions = self.options  # type: ignore[assignment]
-        distill = round > warmup_rounds(opts, self.setup.total_rounds) and self.server_feats is not None
+        distill = round_no > warmup_rounds(opts, self.setup.total_rounds) and self.server_feats is not None
         collector = KnowledgeCollector(self.setup.num_classes, opts.feature_dim)
-        gen = self.round_generator(round)
+        gen = self.round_generator(round_no)
         n_synth = self.server_feats.shape[1] if distill else 1
 
         def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -148,8 +145,5 @@ class FeloClient(ClientHalf):
             pick = torch.randint(0, n_synth, (len(yb),), generator=gen) if n_synth > 1 else None
             return felo_loss(logits, feats, yb, self.server_feats, self.server_logits, self.server_mask, opts, pick)
 
-        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, loss_fn)
-        self.record(stats)
-        tensors = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        tensors.update(collector.means())
-        return Message("class_features", round, self.client_id, tensors, self.base_meta(round))
+        self.train_locally(round_no, loss_fn, generator=gen)
+        return self.reply("class_features", round_no, {**self.model.state_dict(), **collector.means()})

@@ -1,11 +1,11 @@
-"""Local-only training: each device trains on its own data and sends nothing."""
+"""Local-only training: each device trains on its own data and shares nothing (its upload is a
+``status`` report: sample count, loss and, when asked, accuracy)."""
 
 from __future__ import annotations
 
 from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
-from edgefl.algorithms.training import train_local
 from edgefl.messages import Message
 
 
@@ -14,8 +14,6 @@ class LocalOptions(MethodOptions):
 
 
 class LocalClient(ClientHalf):
-    def fit(self, downlink: Message | None, round: int) -> Message | None:
-        gen = self.round_generator(round)
-        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
-        self.record(stats)
-        return None
+    def fit(self, downlink: Message | None, round_no: int) -> Message:
+        self.train_locally(round_no, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
+        return self.reply("status", round_no, {})

@@ -1,12 +1,13 @@
 """Entry points of a fleet run: the server, one device, and a whole fleet on one machine.
 
-* :func:`serve` -- ``edgefl server``: the method's server half over MQTT (the GPU machine);
-* :func:`run_device` -- ``edgefl client``: one device's client half over MQTT (a Pi);
+* :func:`serve` -- ``edgefl server``: the round loop (:mod:`edgefl.server.orchestrator`) over
+  MQTT (the GPU machine);
+* :func:`run_device` -- ``edgefl client``: one device loop (:mod:`edgefl.device`) over MQTT (a Pi);
 * :func:`run_fleet` -- ``edgefl fleet``: a broker, the server and one process per device.
 
-A device builds its data, model and client half from the same config and device id the
-simulation uses (``edgefl.sim.setup``), so a fleet and a simulation of one config hold identical
-devices.
+Both sides build from the config with :mod:`edgefl.build`, as the simulation does, so a fleet and
+a simulation of one config hold identical devices and run the same loops; only the transport
+differs.
 """
 
 from __future__ import annotations
@@ -22,20 +23,10 @@ from typing import Any
 
 from rich.console import Console
 
+from edgefl.build import build_run, load_run_dataset
 from edgefl.config import RunConfig
-from edgefl.data import load_dataset
-from edgefl.environment import machine, package_versions
-from edgefl.errors import ConfigError
 from edgefl.rundir import RunDir
-from edgefl.sim.setup import build_client, build_server, check_models_fit, device_slots, pooled, test_subset
-from edgefl.server.state import load_state, save_state
-from edgefl.transport.link import BrokerAddress, Link
 from edgefl.transport.topics import Topics, device_ids
-
-
-def _dataset(cfg: RunConfig):
-    ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
-    return pooled(ds) if cfg.data.client_test_fraction else ds
 
 
 def federation(cfg: RunConfig) -> str:
@@ -45,28 +36,27 @@ def federation(cfg: RunConfig) -> str:
 def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | None = None,
                username: str | None = None, password: str | None = None, ca_file: str | None = None) -> dict[int, dict[str, Any]]:
     """Serve one device until the server's run is done."""
-    from edgefl.fleet.device import DeviceRunner
+    from edgefl.build import RunParts, device_slots, test_subset
+    from edgefl.device import DeviceLoop
+    from edgefl.transport.mqtt import MqttDeviceTransport
 
     if cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    ds = _dataset(cfg)
-    slots = {s.client_id: s for s in device_slots(cfg, ds)}
-    if device_id not in slots:
-        raise ConfigError(f"device {device_id!r} is not in this config's fleet",
-                          hint=f"device ids are {min(slots)} .. {max(slots)}")
-    client = build_client(cfg, ds, slots[device_id])
+    ds = load_run_dataset(cfg)
     x_test, y_test = test_subset(cfg, ds)
+    parts = RunParts(cfg, ds, device_slots(cfg, ds), x_test, y_test)
+    client = parts.client(device_id)  # a ConfigError naming the fleet's ids for a stranger
     topics = Topics(federation(cfg))
-    link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-{device_id}",
-                [topics.down(device_id), topics.rounds], topics.presence(device_id),
-                username=username, password=password, ca_file=ca_file, protocol=cfg.network.protocol,
-                max_packet_bytes=_packet_limit(cfg), keepalive_s=cfg.network.keepalive_s).start()
+    transport = MqttDeviceTransport.connect(broker, topics, device_id, max_packet_bytes=_packet_limit(cfg),
+                                            keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
+                                            username=username, password=password, ca_file=ca_file)
     try:
-        return DeviceRunner(cfg, client, link, x_test, y_test).run(timeout_s)
+        loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size)
+        return loop.run(timeout_s)
     finally:
-        link.stop()
+        transport.close()
 
 
 def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console | None = None,
@@ -74,63 +64,33 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
           username: str | None = None, password: str | None = None, ca_file: str | None = None,
           join_timeout_s: float | None = None, resume: bool = False) -> dict[str, Any]:
     """Run the server side of ``cfg`` against the devices that join through ``broker``."""
-    from edgefl.server.orchestrator import FleetServer
+    from edgefl.server.session import RunSession
+    from edgefl.transport.mqtt import MqttServerTransport
 
     if cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    ds = _dataset(cfg)
-    slots = device_slots(cfg, ds)
-    check_models_fit(cfg, ds, slots)
-    server = build_server(cfg, ds, slots)
-    x_test, y_test = test_subset(cfg, ds)
-    restored = _restore(cfg, server, run_dir) if resume else None
+    parts = build_run(cfg)
     topics = Topics(federation(cfg))
-    link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-server", [topics.all_up, topics.all_presence],
-                topics.presence("server"), username=username, password=password, ca_file=ca_file,
-                protocol=cfg.network.protocol, max_packet_bytes=_packet_limit(cfg), keepalive_s=cfg.network.keepalive_s).start()
-    start = {"name": cfg.name, "method": cfg.method.name, "seed": cfg.seed, "runner": "fleet", "broker": broker,
-             "federation": topics.federation, "versions": package_versions(), "machine": machine(),
-             "dataset": {"name": ds.name, "source": ds.source, "train": len(ds.y_train), "test_used": len(y_test)},
-             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if run_dir and not resume:
-        (run_dir.path / "config.toml").write_text(cfg.to_toml())
-        run_dir.write_json("run.json", start)
-    t0 = time.perf_counter()
-    fleet = FleetServer(cfg, server, [s.client_id for s in slots], link, x_test, y_test, on_event)
-    first = 1
-    if restored is not None:
-        extra, fleet.history = restored
-        fleet.device_accuracy = dict(extra.get("device_accuracy") or {})
-        fleet.last_round = int(extra["round"])
-        first = fleet.last_round + 1
-        if on_event:
-            on_event("resumed", {"round": first})
+    # not connected yet: a resume is checked before any connection is made
+    session = RunSession(parts, None, topics.federation, runner="fleet", run_dir=run_dir,
+                         deadline_s=cfg.network.round_deadline_s, on_event=on_event, save_state_each_round=True,
+                         start_facts={"broker": broker})
+    first = session.resume() if resume else 1
+    transport = MqttServerTransport.connect(broker, topics, max_packet_bytes=_packet_limit(cfg), keepalive_s=cfg.network.keepalive_s,
+                                            protocol=cfg.network.protocol, username=username, password=password, ca_file=ca_file)
+    session.orchestrator.connect(transport)
+    if not resume:
+        session.write_start()
+    elif on_event:
+        on_event("resumed", {"round": first})
     try:
-        fleet.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s)
-        for r in range(first, cfg.rounds + 1):
-            record = fleet.run_round(r)
-            if run_dir:
-                run_dir.append_metrics({**record, "elapsed_s": round(time.perf_counter() - t0, 3)})
-                # after every round, so a restarted server resumes where this one stopped
-                save_state(server, run_dir.path / STATE_FILE, {"round": r, "config_sha256": _config_digest(cfg),
-                                                                "device_accuracy": fleet.device_accuracy})
-        fleet.announce(cfg.rounds, {"done": True, "rounds": cfg.rounds})
+        session.orchestrator.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s)
+        summary = session.run(first)
     finally:
-        link.stop()
-    evaluated = [h for h in fleet.history if h["accuracy"]]
-    summary = {**start, "rounds": cfg.rounds, "final_accuracy": evaluated[-1]["accuracy"] if evaluated else None,
-               "failed_rounds": [h["round"] for h in fleet.history if h["outcome"] == "failed"],
-               "rejections": len(fleet.rejections), "bytes_up_total": sum(h["bytes_up"] for h in fleet.history),
-               "bytes_down_total": sum(h["bytes_down"] for h in fleet.history), "wall_time_s": round(time.perf_counter() - t0, 3),
-               "run_dir": str(run_dir.path) if run_dir else None}
-    if run_dir:
-        from edgefl.sim.engine import save_global_models
-
-        save_global_models(run_dir, server, cfg, ds)
-        run_dir.write_json("summary.json", summary)
-    summary["history"] = fleet.history
+        transport.close()
+    summary["history"] = session.orchestrator.history
     return summary
 
 
@@ -192,35 +152,6 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
                 proc.kill()
         if local is not None:
             local.stop()
-
-
-STATE_FILE = "server-state.safetensors"
-
-
-def _config_digest(cfg: RunConfig) -> str:
-    import hashlib
-
-    return hashlib.sha256(cfg.to_toml().encode()).hexdigest()
-
-
-def _restore(cfg: RunConfig, server, run_dir: RunDir | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Restore the server half from the run directory (before any connection is made); returns the
-    saved extras and the metrics of the rounds that state covers."""
-    import json
-
-    if run_dir is None or not (run_dir.path / STATE_FILE).is_file():
-        raise ConfigError("nothing to resume: the run directory holds no server state",
-                          hint="pass the --out folder of the interrupted run, or drop --resume")
-    extra = load_state(server, run_dir.path / STATE_FILE)
-    if extra.get("config_sha256") != _config_digest(cfg):
-        raise ConfigError("the saved server state belongs to another config", hint="resume with the interrupted run's config.toml")
-    done = int(extra["round"])
-    metrics = run_dir.path / "metrics.jsonl"
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    history = [h for h in lines if h["round"] <= done]
-    if len(lines) != len(history):  # a round recorded after the state was saved: rewrite without it
-        metrics.write_text("".join(json.dumps(h) + "\n" for h in history))
-    return extra, history
 
 
 def _packet_limit(cfg: RunConfig) -> int:

@@ -16,6 +16,10 @@ from edgefl.models.registry import (
 )
 from edgefl.models.split import SplitClassifier
 
+# Importing the families registers their builders: the registry itself imports none of them, so
+# the package (always imported before any of its modules) is where the zoo is assembled.
+from edgefl.models import cnn, cvae, mlp, resnet, vgg  # noqa: E402,F401  isort: skip
+
 __all__ = [
     "ModelInfo", "ModelSpec", "SplitClassifier", "build_model", "count_flops", "example_inputs",
     "get_spec", "model_info", "model_names",

@@ -41,12 +41,10 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 
 def model_names(kind: Kind | None = None) -> list[str]:
-    _ensure_loaded()
     return [n for n, s in _REGISTRY.items() if kind is None or s.kind == kind]
 
 
 def get_spec(name: str) -> ModelSpec:
-    _ensure_loaded()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -128,8 +126,3 @@ def model_info(name: str, num_classes: int = 10, input_shape: tuple[int, ...] | 
     """Metadata of a zoo model: parameters and FLOPs per sample are measured, not tabulated."""
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
     return _info_cached(name, num_classes, tuple(input_shape) if input_shape else None, frozen)
-
-
-def _ensure_loaded() -> None:
-    # Importing the family modules registers their builders.
-    from edgefl.models import cnn, cvae, mlp, resnet, vgg  # noqa: F401

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edgefl.errors import EdgeflError
+from edgefl.methods import get_method
 from edgefl.profile.cost import CostEstimate, estimate
 from edgefl.profile.schema import DeviceProfile
-
-GENERATOR_METHODS = {"fedmho", "fedmho-md", "fedmho-sd", "fedcvae"}
 
 DEFAULT_CANDIDATES: list[tuple[str, dict]] = [
     *[(f"resnet{d}", {}) for d in (50, 34, 26, 22, 18, 14, 10)],
@@ -109,14 +108,15 @@ def assign(
         bigger = [v for v in classifiers if v.estimate.flops_per_sample > chosen.estimate.flops_per_sample]
         reason = f"largest classifier that fits; the next larger is bound by {bigger[-1].bound}" if bigger else "the largest candidate fits"
         return Assignment(profile, chosen, verdicts, reason)
-    if method in GENERATOR_METHODS:
+    takes_generators = get_method(method).generator_clients
+    if takes_generators:
         chosen = next((v for v in generators if v.fits), None)
         if chosen is not None:
             return Assignment(profile, chosen, verdicts, f"no classifier fits ({classifiers[-1].bound if classifiers else 'none'}); "
                                                          f"{method} takes a generator client")
     smallest = classifiers[-1] if classifiers else None
     why = f"no classifier fits: even the smallest, {smallest.label}, is bound by {smallest.bound}" if smallest else "no candidates"
-    if method not in GENERATOR_METHODS and any(v.fits for v in generators):
+    if not takes_generators and any(v.fits for v in generators):
         why += f"; a generator would fit, but {method} has no generator clients (FedMHO does)"
     return Assignment(profile, None, verdicts, why)
 

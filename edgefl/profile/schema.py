@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from edgefl.config import format_validation_error, read_toml
+from edgefl.configtools import format_validation_error, read_toml
 from edgefl.errors import ConfigError
 
 SCHEMA = "edgefl-device-profile/1"

@@ -1,4 +1,4 @@
-"""Simulation engine and the shared fleet set-up."""
+"""The in-process simulation: the round loop over an in-memory network of device loops."""
 
 from edgefl.sim.engine import Simulation
 

@@ -11,9 +11,10 @@ The contract, shared by simulation and fleets:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -62,9 +63,15 @@ def state_mismatch(tensors: dict[str, torch.Tensor], reference: dict[str, torch.
     return None
 
 
-class ServerHalf:
-    asynchronous: bool = False  # whether reports from a closed round are still used
-    one_shot: bool = False  # whether the method has exactly one round (FedMHO, FedCVAE-Ens)
+class ServerHalf(ABC):
+    """Base of server halves: implement :meth:`accept` (check and keep one upload) and
+    :meth:`downlink` (what a selected device receives), usually :meth:`close_round` (aggregate)
+    and, for methods that hold models, :meth:`global_models`. The method's traits (one-shot,
+    asynchronous, what clients upload) are declared on its :class:`~edgefl.methods.MethodSpec`,
+    not here. docs/adding-a-method.md walks through one."""
+
+    #: attributes rebuilt from the config when a saved state is restored (never saved)
+    config_attributes: ClassVar[frozenset[str]] = frozenset({"clients", "options", "seed", "num_classes", "input_shape", "dataset"})
 
     def __init__(
         self,
@@ -93,8 +100,10 @@ class ServerHalf:
         return build_model(info.model, num_classes=self.num_classes, input_shape=shape, **info.model_options)
 
     # --- the contract -------------------------------------------------------------------
-    def downlink(self, round: int, client_id: str) -> Message | None:
-        return None
+    @abstractmethod
+    def downlink(self, round_no: int, client_id: str) -> Message | None:
+        """What ``client_id`` receives at the start of round ``round_no`` (None: nothing but the
+        selection). No side effects: a runner calls it for evaluation too."""
 
     def receive(self, message: Message) -> Receipt:
         if message.sender not in self.clients:
@@ -106,9 +115,9 @@ class ServerHalf:
             self._seen_ids.add(message.message_id)
         return receipt
 
+    @abstractmethod
     def accept(self, message: Message) -> Receipt:
         """Method-specific checks and storage of one new (non-duplicate) message."""
-        return Receipt("accepted")
 
     def hold_update(self, message: Message, reference: dict[str, torch.Tensor], what: str) -> Receipt:
         """Check a synchronous upload against ``reference`` and keep it in ``self.pending``
@@ -126,15 +135,16 @@ class ServerHalf:
         pending[message.sender] = message
         return Receipt("accepted")
 
-    def begin_round(self, round: int) -> None:
-        self.round = round
+    def begin_round(self, round_no: int) -> None:
+        self.round = round_no
 
-    def discard_round(self, round: int) -> None:
+    def discard_round(self, round_no: int) -> None:
         """Forget a failed round's held uploads (a fleet round that missed its quorum)."""
         if isinstance(self.__dict__.get("pending"), dict):
             self.__dict__["pending"] = {}
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
+        """Aggregate what the round brought; returns facts for the round's metrics record."""
         return {}
 
     def global_models(self) -> dict[str, dict[str, torch.Tensor]]:

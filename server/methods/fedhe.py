@@ -30,7 +30,6 @@ class _Report:
 
 
 class FedHeServer(ServerHalf):
-    asynchronous = True
 
     def __init__(self, clients, options, **kw) -> None:
         super().__init__(clients, options, **kw)

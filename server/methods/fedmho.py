@@ -46,7 +46,7 @@ from edgefl.server.methods.generation import (
 class _OneShotGenerativeServer(ServerHalf):
     """What FedMHO and FedCVAE-Ens share: the two kinds of upload, the decoders, the preview."""
 
-    one_shot = True
+    config_attributes = ServerHalf.config_attributes | {"kind_of"}
 
     def __init__(self, clients, options, **kw) -> None:
         super().__init__(clients, options, **kw)

@@ -1,8 +1,10 @@
-"""Turning a config into devices: data partition, client halves and the server half.
+"""Building a run from its config: the data, the devices (partition, architecture, feature space,
+client halves) and the server half.
 
-Shared by the in-process simulation and the fleet runners, so a device built here and a device
-process started from the same config and index hold identical data, feature space and initial
-weights.
+The one module both runners build from: the simulation and ``edgefl server`` call
+:func:`build_run`, a device process calls :func:`build_device`, so a device built in a
+simulation and a device process started from the same config and id hold identical data,
+feature space and initial weights.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgefl.algorithms import ClientHalf, ClientSetup, get_method
+from edgefl.algorithms import ClientHalf, ClientSetup
 from edgefl.config import GroupSettings, RunConfig
-from edgefl.data import Dataset, class_counts, dirichlet, iid, shards, subsample
+from edgefl.data import Dataset, class_counts, dirichlet, iid, load_dataset, shards, subsample
 from edgefl.data.views import View, make_view
 from edgefl.errors import ConfigError
+from edgefl.methods import get_method
 from edgefl.models import build_model, example_inputs
 from edgefl.profile.schema import DeviceProfile
 from edgefl.seeding import derive_seed
@@ -202,10 +205,9 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
                    tuple(counts[k].tolist()), tuple(s.input_shape(ds)))
         for k, s in enumerate(slots)
     ]
-    server_class = method.server_class()
-    if server_class.one_shot and cfg.rounds != 1:
+    if method.one_shot and cfg.rounds != 1:
         raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round (rounds = {cfg.rounds})", hint="set rounds = 1")
-    return server_class(
+    return method.server_class()(
         infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape,
         dataset=ds.name,
     )
@@ -220,10 +222,48 @@ def test_subset(cfg: RunConfig, ds: Dataset) -> tuple[torch.Tensor, torch.Tensor
     return ds.x_test[idx], ds.y_test[idx]
 
 
-def sample_clients(cfg: RunConfig, client_ids: list[str], round_no: int) -> list[str]:
-    """This round's participants: ceil(ratio x clients), drawn from (seed, round)."""
-    k = max(1, math.ceil(cfg.fleet.sample_ratio * len(client_ids) - 1e-9))
-    if k >= len(client_ids):
-        return list(client_ids)
-    rng = np.random.default_rng(derive_seed(cfg.seed, "sample", round_no))
-    return sorted(rng.choice(client_ids, k, replace=False).tolist())
+@dataclass
+class RunParts:
+    """What both runners start from: the data as the run sees it, every device resolved, and the
+    shared test set the server judges global models on (empty when every device holds its own)."""
+
+    cfg: RunConfig
+    ds: Dataset
+    slots: list[DeviceSlot]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def device_ids(self) -> list[str]:
+        return [s.client_id for s in self.slots]
+
+    def slot(self, device_id: str) -> DeviceSlot:
+        for s in self.slots:
+            if s.client_id == device_id:
+                return s
+        ids = self.device_ids
+        raise ConfigError(f"device {device_id!r} is not in this config's fleet", hint=f"device ids are {ids[0]} .. {ids[-1]}")
+
+    def client(self, device_id: str) -> ClientHalf:
+        return build_client(self.cfg, self.ds, self.slot(device_id))
+
+    def server(self):
+        return build_server(self.cfg, self.ds, self.slots)
+
+
+def load_run_dataset(cfg: RunConfig) -> Dataset:
+    ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
+    return pooled(ds) if cfg.data.client_test_fraction else ds
+
+
+def build_run(cfg: RunConfig, dataset: Dataset | None = None, check: bool = True) -> RunParts:
+    """Data, devices and test set of ``cfg`` (``dataset``: an already loaded copy of the raw data)."""
+    if dataset is None:
+        ds = load_run_dataset(cfg)
+    else:
+        ds = pooled(dataset) if cfg.data.client_test_fraction else dataset
+    slots = device_slots(cfg, ds)
+    if check:
+        check_models_fit(cfg, ds, slots)
+    x_test, y_test = test_subset(cfg, ds)
+    return RunParts(cfg, ds, slots, x_test, y_test)

@@ -1,0 +1,80 @@
+"""Helpers shared by every TOML schema (run configs, device profiles): reading a file with a clear
+error, formatting pydantic's errors with the key's path, and "did you mean" suggestions.
+
+A leaf module: the schemas import it, it imports none of them."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from edgefl.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _loc(parts: tuple) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The valid field names of the model that sits at ``loc`` (for 'did you mean')."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return []
+        ann = current.model_fields[part].annotation
+        for arg in (*getattr(ann, "__args__", ()), ann):
+            inner = getattr(arg, "__args__", (arg,))
+            for a in inner:
+                if isinstance(a, type) and issubclass(a, BaseModel):
+                    current = a
+                    break
+            else:
+                continue
+            break
+    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def format_validation_error(exc: ValidationError, root: type[BaseModel], prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = err["loc"]
+        where = (prefix + "." if prefix and loc else prefix) + _loc(loc)
+        if err["type"] == "extra_forbidden":
+            key = str(loc[-1])
+            lines.append(f"{where}: unknown key{suggest(key, _fields_at(root, loc[:-1]))}")
+        else:
+            lines.append(f"{where or '(top level)'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+

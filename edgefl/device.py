@@ -1,0 +1,202 @@
+"""The device loop: a method's client half behind a transport (what a Pi runs, and what every
+simulated device runs in-process).
+
+It acts on what the server sends:
+
+* ``download`` for round r: "you are selected in round r, here is what the server sends you".
+  The device trains, then uploads (in chunks when large) and keeps the upload until the server
+  answers it; the download's ``info.evaluate`` asks for the accuracy of the trained model in
+  the upload's ``meta.eval_accuracy``. A second copy of a download is ignored; a new download
+  for a round already served (a restarted server reopening it) is answered with the same upload.
+* ``evaluate``: "load this (the global model) and tell me its accuracy on your data"; answered
+  with an upload of kind ``evaluation``.
+* ``ack`` / ``nack`` of an upload: done with it; a nack listing missing chunks gets only those
+  chunks again. An upload left unanswered is resent with growing back-off (:meth:`tick`).
+* the round announcement: the run is done when it says so.
+
+The loop is event-driven (:meth:`handle` one delivery, :meth:`tick` for resends) so the same code
+runs blocking over MQTT (:meth:`run`) and stepped by the simulation's in-memory network.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from edgefl.algorithms import ClientHalf
+from edgefl.config import NetworkSettings
+from edgefl.errors import PayloadError
+from edgefl.messages import Message, decode, encode
+from edgefl.transport.base import Delivery, DeviceTransport
+from edgefl.transport.chunks import Reassembler, split
+from edgefl.transport.envelope import Envelope, tensor_manifest, unpack
+
+log = logging.getLogger("edgefl.device")
+
+
+@dataclass
+class WorkDone:
+    """What the device did for one download (the simulation's virtual clock prices it)."""
+
+    round: int
+    samples: int
+    bytes_up: int
+    bytes_down: int
+
+
+@dataclass
+class _Pending:
+    upload: Envelope
+    pieces: list[bytes]
+    sent_at: float
+    wait_s: float
+    chunk_ids: set[str] = field(default_factory=set)
+
+
+class DeviceLoop:
+    def __init__(self, client: ClientHalf, transport: DeviceTransport, federation: str, network: NetworkSettings,
+                 x_test: torch.Tensor | None = None, y_test: torch.Tensor | None = None, eval_batch_size: int = 1000) -> None:
+        self.client = client
+        self.device = client.client_id
+        self.transport = transport
+        self.federation = federation
+        self.net = network
+        self.x_test, self.y_test = x_test, y_test
+        self.eval_batch_size = eval_batch_size
+        self.reassembler = Reassembler(network.max_message_bytes, network.stale_upload_s)
+        self.handled: set[str] = set()  # download / evaluate message ids already acted on
+        self.served: dict[int, Envelope] = {}  # round -> the upload sent for it (the last two rounds)
+        self.pending: dict[str, _Pending] = {}  # upload id -> waiting for its ack
+        self.latest_round = 0
+        self.finished = False
+        self.results: dict[int, dict[str, Any]] = {}
+        self.last_work: WorkDone | None = None
+
+    # --- incoming -----------------------------------------------------------------------------
+    def handle(self, item: Delivery) -> None:
+        """Act on one delivery. Never raises on what the network brings: bad input is logged."""
+        try:
+            env = unpack(item.payload, self.net.max_message_bytes)
+        except PayloadError as exc:
+            log.warning("%s: ignoring a malformed message on %s: %s", self.device, item.where or item.channel, exc)
+            return
+        if env.sender != "server":
+            log.warning("%s: ignoring a message from %r", self.device, env.sender)
+            return
+        if item.channel == "announcement":
+            self.latest_round = max(self.latest_round, env.round)
+            self.finished = bool(env.extra.get("info", {}).get("done"))
+            return
+        if env.type == "chunk":
+            try:
+                whole = self.reassembler.add(env)
+            except PayloadError as exc:
+                log.warning("%s: dropping a bad chunked download: %s", self.device, exc)
+                return
+            if whole is None:
+                return
+            env = unpack(whole, self.net.max_message_bytes)
+        if env.type == "download":
+            self._serve(env)
+        elif env.type == "evaluate":
+            self._evaluate(env)
+        elif env.type in ("ack", "nack") and env.reply_to:
+            self._answered(env)
+
+    # --- acting ---------------------------------------------------------------------------------
+    def _downlink(self, env: Envelope) -> Message | None:
+        return decode(env.body, self.net.max_message_bytes) if env.codec == "safetensors" else None
+
+    def _serve(self, env: Envelope) -> None:
+        if env.message_id in self.handled:
+            return
+        self.handled.add(env.message_id)
+        r = env.round
+        if r in self.served:  # trained already: the same upload, same id (a duplicate is harmless)
+            self._send(self.served[r])
+            return
+        upload = self.served[r] = self.train(env)
+        for old in [k for k in self.served if k < r - 1]:
+            del self.served[old]
+        self._send(upload)
+
+    def train(self, env: Envelope) -> Envelope:
+        """Run the client half on one download; the upload answering it."""
+        message = self.client.fit(self._downlink(env), env.round)
+        if message is None:  # a client half with nothing to share still reports that it trained
+            message = self.client.reply("status", env.round, {})
+        if env.extra.get("info", {}).get("evaluate") and self.client.judged:
+            # a new message: what the client half returned stays as it made it
+            message = Message(message.kind, message.round, message.sender, message.tensors,
+                              {**message.meta, "eval_accuracy": self._accuracy()}, message.message_id)
+        body = encode(message)
+        self.last_work = WorkDone(env.round, self.client.last_train_samples, len(body), len(env.body))
+        return Envelope("upload", self.federation, env.round, self.device, body, message.message_id,
+                        model_version=env.model_version, codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)})
+
+    def _accuracy(self) -> float:
+        return self.client.evaluate(self.x_test, self.y_test, self.eval_batch_size)
+
+    def _evaluate(self, env: Envelope) -> None:
+        if env.message_id in self.handled:
+            return
+        self.handled.add(env.message_id)
+        self.client.receive(self._downlink(env))
+        meta = {"num_samples": self.client.num_test_samples(self.y_test), "eval_accuracy": self._accuracy()}
+        message = Message("evaluation", env.round, self.device, {}, meta)
+        self._send(Envelope("upload", self.federation, env.round, self.device, encode(message), message.message_id,
+                            model_version=env.model_version, codec="safetensors", extra={"tensors": {}}))
+
+    def _send(self, upload: Envelope, pieces: list[int] | None = None) -> None:
+        known = self.pending.get(upload.message_id)
+        if known is None:
+            chunks = split(upload, self.net.chunk_bytes, self.net.chunk_threshold)
+            known = self.pending[upload.message_id] = _Pending(upload, chunks, self.transport.now(), self.net.ack_timeout_s)
+            if len(chunks) > 1:
+                known.chunk_ids = {unpack(c, self.net.max_message_bytes).message_id for c in chunks}
+        known.sent_at = self.transport.now()
+        for i in (range(len(known.pieces)) if pieces is None else pieces):
+            self.transport.send(known.pieces[i])
+
+    def _answered(self, reply: Envelope) -> None:
+        pending = self.pending.get(reply.reply_to)
+        if pending is None:  # a nack of one chunk answers the upload that chunk belongs to
+            pending = next((p for p in self.pending.values() if reply.reply_to in p.chunk_ids), None)
+        if pending is None:
+            return
+        upload = pending.upload
+        missing = reply.extra.get("missing") if reply.type == "nack" else None
+        if missing:
+            self._send(upload, [i for i in missing if isinstance(i, int) and 0 <= i < len(pending.pieces)])
+            return
+        del self.pending[upload.message_id]
+        status = reply.extra.get("status") if reply.type == "ack" else reply.extra.get("reason")
+        if reply.type == "nack":
+            log.warning("%s: round %d upload refused: %s", self.device, upload.round, status)
+        self.results[upload.round] = {"reply": reply.type, "status": status}
+
+    def tick(self) -> None:
+        """Resend every upload left unanswered past its wait, doubling the wait (at most 120 s):
+        the server or the broker may be busy or restarting."""
+        now = self.transport.now()
+        for pending in list(self.pending.values()):
+            if now - pending.sent_at >= pending.wait_s:
+                pending.wait_s = min(pending.wait_s * 2, 120.0)
+                self._send(pending.upload)
+
+    # --- blocking use (a real device) -------------------------------------------------------------
+    def run(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
+        """Serve rounds until the server says the run is done (or ``timeout_s`` passes)."""
+        started = self.transport.now()
+        while not self.finished:
+            item = self.transport.receive(0.2)
+            while item is not None:
+                self.handle(item)
+                item = self.transport.receive(0)
+            self.tick()
+            if timeout_s is not None and self.transport.now() - started > timeout_s:
+                break
+        return self.results

@@ -1,0 +1,162 @@
+"""Methods by name: each is a client half, a server half, an options model and its traits.
+
+A :class:`MethodSpec` is the one place a method declares what the runners, the assignment and the
+tests need to know about it (what a client uploads, whether the method is one-shot, whether its
+server uses late reports, whether it takes generator clients). Nothing else keeps lists of
+method names.
+
+Halves and options are named by import path ("module:Class") and imported only when used, so
+importing this module (the config does, to validate a method name) pulls in neither torch
+training code nor ``edgefl.server``: a device never imports server code. A leaf module: it imports
+nothing of edgefl but the error types.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from edgefl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    description: str
+    client_path: str  # "module:Class" of the client half (a ClientHalf)
+    server_path: str  # "module:Class" of the server half (a ServerHalf)
+    options_path: str  # "module:Class" of the options model (a MethodOptions)
+    #: message kinds a client may upload (edgefl.messages.MESSAGE_KINDS); anything else is refused
+    #: before the server half sees it
+    uploads: tuple[str, ...] = ("status",)
+    #: message kinds the server sends in a round's download
+    downloads: tuple[str, ...] = ()
+    #: exactly one round (FedMHO, FedCVAE-Ens)
+    one_shot: bool = False
+    #: the server half uses reports from rounds that already closed (FedHe's knowledge store)
+    asynchronous: bool = False
+    #: devices may train a generator instead of a classifier (FedMHO's CVAE clients)
+    generator_clients: bool = False
+
+    @staticmethod
+    def _load(path: str) -> Any:
+        module, attr = path.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    @property
+    def options_model(self) -> Any:
+        return self._load(self.options_path)
+
+    def client_class(self) -> Any:
+        return self._load(self.client_path)
+
+    def server_class(self) -> Any:
+        return self._load(self.server_path)
+
+    def parse_options(self, raw: dict) -> Any:
+        return self.options_model.model_validate(raw)
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add a method (docs/adding-a-method.md); a name can be registered once."""
+    if spec.name in METHODS and METHODS[spec.name] != spec:
+        raise ValueError(f"method {spec.name!r} is already registered")
+    METHODS[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    MethodSpec(
+        "local",
+        "Local-only training: no communication (the 'Private' / SOLO baseline)",
+        "edgefl.algorithms.local:LocalClient",
+        "edgefl.server.methods.local:LocalServer",
+        "edgefl.algorithms.local:LocalOptions",
+        uploads=("status",),
+    ),
+    MethodSpec(
+        "fedavg",
+        "FedAvg; heterogeneous fleets average within groups of the same architecture",
+        "edgefl.algorithms.fedavg:FedAvgClient",
+        "edgefl.server.methods.fedavg:FedAvgServer",
+        "edgefl.algorithms.fedavg:FedAvgOptions",
+        uploads=("weights",), downloads=("weights",),
+    ),
+    MethodSpec(
+        "fedhe",
+        "FedHe (Chan & Ngai, MSN 2021): per-class logit exchange, asynchronous server",
+        "edgefl.algorithms.fedhe:FedHeClient",
+        "edgefl.server.methods.fedhe:FedHeServer",
+        "edgefl.algorithms.fedhe:FedHeOptions",
+        uploads=("class_logits",), downloads=("class_logits",), asynchronous=True,
+    ),
+    MethodSpec(
+        "fedin",
+        "FedIN (Wang et al.): feature-pair IN training, gradient alleviation, proximal term, layer-wise aggregation",
+        "edgefl.algorithms.fedin:FedINClient",
+        "edgefl.server.methods.fedin:FedINServer",
+        "edgefl.algorithms.fedin:FedINOptions",
+        uploads=("weights",), downloads=("weights",),
+    ),
+    MethodSpec(
+        "felo",
+        "Felo (paper 000): per-class mid-level features and logits, same-architecture weight averaging",
+        "edgefl.algorithms.felo:FeloClient",
+        "edgefl.server.methods.felo:FeloServer",
+        "edgefl.algorithms.felo:FeloOptions",
+        uploads=("class_features",), downloads=("class_features",),
+    ),
+    MethodSpec(
+        "velo",
+        "Velo (paper 000): Felo with a server-side conditional VAE generating per-class features",
+        "edgefl.algorithms.felo:FeloClient",
+        "edgefl.server.methods.felo:VeloServer",
+        "edgefl.algorithms.felo:VeloOptions",
+        uploads=("class_features",), downloads=("class_features",),
+    ),
+    *(
+        MethodSpec(
+            name, description, "edgefl.algorithms.fedmho:FedMHOClient", "edgefl.server.methods.fedmho:FedMHOServer",
+            f"edgefl.algorithms.fedmho:{options}", uploads=("weights", "decoder"), downloads=("weights",),
+            one_shot=True, generator_clients=True,
+        )
+        for name, options, description in (
+            ("fedmho", "FedMHOOptions", "FedMHO (Yao et al.): one-shot; classifier clients + CVAE-decoder clients, server "
+                                        "generation, K-means filtering, fusion (fusion = ce|md|sd)"),
+            ("fedmho-md", "FedMHOMDOptions", "FedMHO-MD: FedMHO with KL to the classifier clients' mean logits (fusion = md)"),
+            ("fedmho-sd", "FedMHOSDOptions", "FedMHO-SD: FedMHO with KL to the initial (averaged) global model (fusion = sd)"),
+        )
+    ),
+    MethodSpec(
+        "fedcvae",
+        "FedCVAE-Ens (Heinbaugh et al.): one-shot; every client uploads a CVAE decoder, the server trains a classifier from scratch",
+        "edgefl.algorithms.fedmho:FedMHOClient",
+        "edgefl.server.methods.fedmho:FedCVAEServer",
+        "edgefl.algorithms.fedmho:FedCVAEOptions",
+        uploads=("decoder",), one_shot=True, generator_clients=True,
+    ),
+    MethodSpec(
+        "chfl",
+        "CHFL (Liu et al.): private backbones, shared E x C head, decoupled KD at a decaying temperature",
+        "edgefl.algorithms.chfl:CHFLClient",
+        "edgefl.server.methods.chfl:CHFLServer",
+        "edgefl.algorithms.chfl:CHFLOptions",
+        uploads=("head",), downloads=("head",),
+    ),
+):
+    register_method(_spec)
+
+
+def get_method(name: str) -> MethodSpec:
+    try:
+        return METHODS[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(METHODS), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"methods: {', '.join(METHODS)}"
+        raise ConfigError(f"unknown method {name!r}", hint=hint) from None

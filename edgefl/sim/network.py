@@ -1,0 +1,134 @@
+"""The simulation's transport: the device loops live in this process and a virtual clock stands in
+for time.
+
+The server side is a :class:`~edgefl.transport.base.ServerTransport` like MQTT's: it sends
+envelope bytes and receives envelope bytes, so the round loop, the device loop, the codec and the
+byte counts are exactly a fleet's. Instead of a broker, :meth:`InMemoryNetwork.receive` steps
+the devices: each pending delivery is handed to its device's loop, in the order it was sent
+(deterministic), and what the device sends back is queued for the server at the virtual time it
+would arrive.
+
+The clock: a device with a device class (``work_seconds`` prices it from the cost model and the
+real message sizes) finishes a download ``work_s`` virtual seconds after it could start it: when
+the download arrived, or when it finished its previous work, whichever is later (a Pi Zero still
+training round r starts round r + 1 late). Devices without a class take no time. Messages from the
+server arrive at once (their transfer is part of the device's priced work).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+
+from edgefl.device import DeviceLoop, WorkDone
+from edgefl.transport.base import Delivery, DeviceTransport, ServerTransport
+
+WorkPricer = Callable[[str, WorkDone], "float | None"]
+
+
+class _Endpoint(DeviceTransport):
+    """One device's side: sends go to the network; it never blocks (the network steps it)."""
+
+    def __init__(self, network: InMemoryNetwork, device: str) -> None:
+        self.network = network
+        self.device = device
+
+    def send(self, data: bytes) -> None:
+        self.network._outbox.append(data)
+
+    def receive(self, timeout_s: float) -> Delivery | None:
+        return None
+
+    def now(self) -> float:
+        return self.network._device_now
+
+
+class InMemoryNetwork(ServerTransport):
+    virtual_clock = True
+
+    def __init__(self, work_seconds: WorkPricer | None = None, timed: set[str] | frozenset[str] = frozenset(),
+                 on_work: Callable[[str, WorkDone], None] | None = None) -> None:
+        """``work_seconds(device, work)``: virtual seconds of one download's work for the devices
+        in ``timed`` (None: the device's speed is unknown); ``on_work``: called after each
+        device's training (progress display)."""
+        self.clock = 0.0
+        self.work_seconds = work_seconds
+        self.timed = set(timed)
+        self.on_work = on_work
+        self.loops: dict[str, DeviceLoop] = {}
+        self._inbox: dict[str, deque[Delivery]] = {}
+        self._runnable: deque[str] = deque()
+        self._busy_until: dict[str, float] = {}
+        self._to_server: list[tuple[float, int, Delivery]] = []
+        self._seq = 0
+        self._in_flight: dict[str, tuple[int, float | None, float]] = {}  # device -> (round, work_s, arrival)
+        self._outbox: list[bytes] = []
+        self._device_now = 0.0
+
+    def endpoint(self, device: str) -> DeviceTransport:
+        return _Endpoint(self, device)
+
+    def attach(self, loop: DeviceLoop) -> None:
+        """Add a device; it comes online now."""
+        self.loops[loop.device] = loop
+        self._inbox[loop.device] = deque()
+        self._push(self.clock, Delivery("presence", loop.device, online=True))
+
+    def _push(self, at: float, item: Delivery) -> None:
+        heapq.heappush(self._to_server, (at, self._seq, item))
+        self._seq += 1
+
+    # --- the server's side ----------------------------------------------------------------------
+    def send(self, device: str, data: bytes) -> None:
+        if device in self._inbox:
+            self._inbox[device].append(Delivery("message", "server", data))
+            self._runnable.append(device)
+
+    def announce(self, data: bytes) -> None:
+        for device in self.loops:
+            self._inbox[device].append(Delivery("announcement", "server", data))
+            self._runnable.append(device)
+
+    def receive(self, timeout_s: float) -> Delivery | None:
+        self._run_devices()
+        if self._to_server and self._to_server[0][0] <= self.clock + timeout_s:
+            at, _, item = heapq.heappop(self._to_server)
+            self.clock = max(self.clock, at)
+            return item
+        self.clock += max(timeout_s, 0.0)
+        return None
+
+    def now(self) -> float:
+        return self.clock
+
+    def in_flight(self) -> dict[str, tuple[int, float | None]]:
+        return {d: (r, work) for d, (r, work, arrival) in self._in_flight.items() if arrival > self.clock}
+
+    # --- the devices -----------------------------------------------------------------------------
+    def _run_devices(self) -> None:
+        while self._runnable:
+            device = self._runnable.popleft()
+            box = self._inbox[device]
+            if not box:
+                continue
+            item = box.popleft()
+            loop = self.loops[device]
+            start = max(self.clock, self._busy_until.get(device, 0.0))
+            self._device_now = start
+            self._outbox = []
+            loop.last_work = None
+            loop.handle(item)
+            sent, self._outbox = self._outbox, []
+            work, done, facts = loop.last_work, start, {}
+            if work is not None:
+                if device in self.timed and self.work_seconds is not None:
+                    seconds = self.work_seconds(device, work)
+                    facts = {"work_s": seconds}
+                    done = start + (seconds or 0.0)
+                    self._in_flight[device] = (work.round, seconds, done)
+                if self.on_work is not None:
+                    self.on_work(device, work)
+            self._busy_until[device] = done
+            for data in sent:
+                self._push(done, Delivery("message", device, data, facts=facts))

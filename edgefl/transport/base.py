@@ -1,0 +1,93 @@
+"""The transport interface the round loop and the device loop run over.
+
+Two sides, each a handful of calls: the server sends envelope bytes to one device, announces to
+every device, and receives what devices send plus their presence; a device sends to the server
+and receives what the server sends it. Everything above this line (envelopes, chunks, acks,
+quorum, deadlines) is written once, in :mod:`edgefl.server.orchestrator` and
+:mod:`edgefl.device`; implementations only move bytes:
+
+* :mod:`edgefl.transport.mqtt`: MQTT through a broker (fleets, real devices);
+* :mod:`edgefl.sim.network`: in memory, the device loops in this process, a virtual clock
+  (the simulation).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Channel = Literal["message", "presence", "announcement", "unknown"]
+
+
+@dataclass
+class Delivery:
+    """One thing a transport hands up.
+
+    ``message``: envelope bytes from ``peer``; ``presence``: ``peer`` came online or went offline;
+    ``announcement``: the server's round announcement (device side); ``unknown``: something on a
+    channel that belongs to nobody in this federation (``where`` says which)."""
+
+    channel: Channel
+    peer: str | None
+    payload: bytes = b""
+    online: bool | None = None
+    where: str = ""
+    #: what the transport knows about the sender's work (the simulation's virtual clock:
+    #: ``{"work_s": seconds or None}``); empty on a real network
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+class ServerTransport(ABC):
+    """The server's side: one endpoint, every device of the federation behind it."""
+
+    #: whether :meth:`now` is a simulated clock (the simulation) rather than the wall clock
+    virtual_clock: bool = False
+
+    @abstractmethod
+    def send(self, device: str, data: bytes) -> None:
+        """Queue ``data`` for one device (delivered even if it is offline now, when it returns)."""
+
+    @abstractmethod
+    def announce(self, data: bytes) -> None:
+        """Tell every device, including ones that join later (MQTT: a retained message)."""
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> Delivery | None:
+        """The next delivery, waiting at most ``timeout_s``; None when nothing came."""
+
+    def now(self) -> float:
+        """Seconds on this transport's clock (monotonic)."""
+        return time.monotonic()
+
+    @property
+    def connects(self) -> int:
+        """How often this side has (re)connected: after a reconnect, presence is unknown again."""
+        return 1
+
+    def in_flight(self) -> dict[str, tuple[int, float | None]]:
+        """Work known to be on its way: device -> (round, seconds of work). Only a simulated
+        network can know this; a real one returns nothing."""
+        return {}
+
+    def close(self) -> None:
+        """Release the connection."""
+
+
+class DeviceTransport(ABC):
+    """A device's side: it talks to the server only."""
+
+    @abstractmethod
+    def send(self, data: bytes) -> None:
+        """Queue ``data`` for the server."""
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> Delivery | None:
+        """The next delivery from the server (a message or an announcement)."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def close(self) -> None:
+        """Release the connection."""

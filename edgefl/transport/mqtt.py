@@ -1,0 +1,78 @@
+"""The transport interface over MQTT: one :class:`~edgefl.transport.link.Link` and the topic
+layout of docs/PROTOCOL.md (``dev/<id>/up``, ``dev/<id>/down``, retained ``round`` and
+``presence/<id>``)."""
+
+from __future__ import annotations
+
+from edgefl.transport.base import Delivery, DeviceTransport, ServerTransport
+from edgefl.transport.link import BrokerAddress, Link
+from edgefl.transport.topics import Topics
+
+
+class MqttServerTransport(ServerTransport):
+    def __init__(self, link: Link, topics: Topics) -> None:
+        self.link = link
+        self.topics = topics
+
+    @classmethod
+    def connect(cls, broker: str, topics: Topics, *, max_packet_bytes: int, keepalive_s: int, protocol: str = "5",
+                username: str | None = None, password: str | None = None, ca_file: str | None = None) -> MqttServerTransport:
+        link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-server", [topics.all_up, topics.all_presence],
+                    topics.presence("server"), username=username, password=password, ca_file=ca_file, protocol=protocol,
+                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s).start()
+        return cls(link, topics)
+
+    def send(self, device: str, data: bytes) -> None:
+        self.link.publish(self.topics.down(device), data)
+
+    def announce(self, data: bytes) -> None:
+        self.link.publish(self.topics.rounds, data, retain=True)
+
+    def receive(self, timeout_s: float) -> Delivery | None:
+        item = self.link.get(timeout_s)
+        if item is None:
+            return None
+        if item.topic == self.topics.presence("server"):
+            return None  # our own retained presence
+        device = self.topics.device_of(item.topic)
+        if device is None:
+            return Delivery("unknown", None, item.payload, where=item.topic)
+        if item.topic == self.topics.presence(device):
+            return Delivery("presence", device, online=item.payload == b"online", where=item.topic)
+        return Delivery("message", device, item.payload, where=item.topic)
+
+    @property
+    def connects(self) -> int:
+        return self.link.connect_count
+
+    def close(self) -> None:
+        self.link.stop()
+
+
+class MqttDeviceTransport(DeviceTransport):
+    def __init__(self, link: Link, topics: Topics, device: str) -> None:
+        self.link = link
+        self.topics = topics
+        self.device = device
+
+    @classmethod
+    def connect(cls, broker: str, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
+                protocol: str = "5", username: str | None = None, password: str | None = None,
+                ca_file: str | None = None) -> MqttDeviceTransport:
+        link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-{device}", [topics.down(device), topics.rounds],
+                    topics.presence(device), username=username, password=password, ca_file=ca_file, protocol=protocol,
+                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s).start()
+        return cls(link, topics, device)
+
+    def send(self, data: bytes) -> None:
+        self.link.publish(self.topics.up(self.device), data)
+
+    def receive(self, timeout_s: float) -> Delivery | None:
+        item = self.link.get(timeout_s)
+        if item is None:
+            return None
+        channel = "announcement" if item.topic == self.topics.rounds else "message"
+        return Delivery(channel, "server", item.payload, where=item.topic)
+
+    def close(self) -> None:
+        self.link.stop()

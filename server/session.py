@@ -1,0 +1,164 @@
+"""One run of a config over one transport: the server half, the round loop, and everything the
+run leaves in its directory (config, run.json, partition, metrics, state, summary, models).
+
+The simulation and ``edgefl server`` both run a :class:`RunSession`; they differ only in the
+transport they hand it and the name they give the runner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from edgefl.build import RunParts, partition_record
+from edgefl.config import RunConfig
+from edgefl.data import Dataset
+from edgefl.environment import machine, package_versions
+from edgefl.errors import ConfigError
+from edgefl.methods import get_method
+from edgefl.models import get_spec
+from edgefl.rundir import RunDir
+from edgefl.server.evaluation import Evaluator
+from edgefl.server.orchestrator import EventSink, Orchestrator
+from edgefl.server.state import load_state, save_state
+from edgefl.transport.base import ServerTransport
+
+STATE_FILE = "server-state.safetensors"
+#: record fields that depend on the machine and the moment, not on the run's numbers
+TIMING_FIELDS = ("round_time_s", "train_time_s", "eval_time_s", "elapsed_s")
+
+
+def config_digest(cfg: RunConfig) -> str:
+    return hashlib.sha256(cfg.to_toml().encode()).hexdigest()
+
+
+class RunSession:
+    def __init__(self, parts: RunParts, transport: ServerTransport | None, federation: str, *, runner: str,
+                 run_dir: RunDir | None = None, deadline_s: float, on_event: EventSink | None = None,
+                 save_state_each_round: bool = False, start_facts: dict[str, Any] | None = None) -> None:
+        cfg = parts.cfg
+        self.cfg, self.parts, self.run_dir = cfg, parts, run_dir
+        self.spec = get_method(cfg.method.name)
+        self.server = parts.server()
+        self.save_state_each_round = save_state_each_round
+        archs = {s.client_id: s.arch for s in parts.slots}
+        judged = {s.client_id for s in parts.slots if get_spec(s.model).kind == "classifier"}
+        personal = {s.client_id for s in parts.slots if s.test_indices is not None or s.view is not None}
+        self.evaluator = Evaluator(parts.x_test, parts.y_test, cfg.eval.batch_size, archs, judged, personal)
+        profiles = {s.client_id: s.profile.id for s in parts.slots if s.profile is not None}
+        self.orchestrator = Orchestrator(cfg, self.spec, self.server, transport, parts.device_ids, federation, self.evaluator,
+                                         deadline_s=deadline_s, profiles=profiles, on_event=on_event)
+        self.start = self._start_record(runner, federation, start_facts or {})
+        self._t0 = time.perf_counter()
+
+    def _start_record(self, runner: str, federation: str, facts: dict[str, Any]) -> dict[str, Any]:
+        ds, cfg = self.parts.ds, self.cfg
+        return {
+            "name": cfg.name, "method": cfg.method.name, "seed": cfg.seed, "runner": runner, "federation": federation,
+            "dataset": {"name": ds.name, "source": ds.source, "train": len(ds.y_train), "test_used": len(self.parts.y_test)},
+            "versions": package_versions(), "machine": machine(), "deadline_s": self.orchestrator.deadline_s,
+            "device_profiles": {s.profile.id: s.profile.to_dict() for s in self.parts.slots if s.profile is not None},
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts,
+        }
+
+    # --- start ----------------------------------------------------------------------------------
+    def write_start(self) -> None:
+        if self.run_dir is None:
+            return
+        (self.run_dir.path / "config.toml").write_text(self.cfg.to_toml())
+        self.run_dir.write_json("run.json", self.start)
+        self.run_dir.write_json("partition.json", partition_record(self.parts.ds, self.parts.slots))
+
+    def resume(self) -> int:
+        """Restore the server half and the metrics from the run directory (before any connection
+        is made); returns the first round still to play."""
+        if self.run_dir is None or not (self.run_dir.path / STATE_FILE).is_file():
+            raise ConfigError("nothing to resume: the run directory holds no server state",
+                              hint="pass the --out folder of the interrupted run, or drop --resume")
+        extra = load_state(self.server, self.run_dir.path / STATE_FILE)
+        if extra.get("config_sha256") != config_digest(self.cfg):
+            raise ConfigError("the saved server state belongs to another config", hint="resume with the interrupted run's config.toml")
+        done = int(extra["round"])
+        metrics = self.run_dir.path / "metrics.jsonl"
+        lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+        history = [h for h in lines if h["round"] <= done]
+        if len(lines) != len(history):  # a round recorded after the state was saved: rewrite without it
+            metrics.write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in history))
+        self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
+        self.orchestrator.history = history
+        self.orchestrator.last_round = done
+        return done + 1
+
+    # --- rounds ---------------------------------------------------------------------------------
+    def after_round(self, record: dict[str, Any]) -> None:
+        record["elapsed_s"] = round(time.perf_counter() - self._t0, 3)
+        if self.run_dir is None:
+            return
+        self.run_dir.append_metrics(record)
+        if self.save_state_each_round:
+            # after every round, so a restarted server resumes where this one stopped
+            save_state(self.server, self.run_dir.path / STATE_FILE,
+                       {"round": record["round"], "config_sha256": config_digest(self.cfg),
+                        "device_accuracy": self.evaluator.device_accuracy})
+
+    def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        def after(record: dict[str, Any]) -> None:
+            self.after_round(record)
+            if on_record is not None:
+                on_record(record)
+
+        self.orchestrator.run(first_round, after)
+        return self.finish()
+
+    # --- end ------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        history = self.orchestrator.history
+        evaluated = [h for h in history if h["accuracy"] is not None and h["accuracy"]["overall"] is not None]
+        virtual = [h.get("round_virtual_s") for h in history if h.get("round_virtual_s") is not None]
+        return {
+            **self.start,
+            "rounds": self.cfg.rounds,
+            "final_accuracy": evaluated[-1]["accuracy"] if evaluated else None,
+            "best_overall_accuracy": max((h["accuracy"]["overall"] for h in evaluated), default=None),
+            "failed_rounds": [h["round"] for h in history if h["outcome"] == "failed"],
+            "rejections": len(self.orchestrator.rejections),
+            "bytes_up_total": sum(h["bytes_up"] for h in history),
+            "bytes_down_total": sum(h["bytes_down"] for h in history),
+            "stragglers_total": sum(len(h.get("stragglers", [])) for h in history),
+            "virtual_time_total_s": round(sum(virtual), 3) if virtual else None,
+            "wall_time_s": round(time.perf_counter() - self._t0, 3),
+            "run_dir": str(self.run_dir.path) if self.run_dir else None,
+        }
+
+    def finish(self) -> dict[str, Any]:
+        summary = self.summary()
+        if self.run_dir is not None:
+            save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
+            self.run_dir.write_json("summary.json", summary)
+        return summary
+
+
+def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
+    """What every saved model's metadata carries about the run (edgefl export reads it)."""
+    return {"num_classes": ds.num_classes, "input_shape": list(ds.input_shape), "class_names": list(ds.class_names),
+            "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
+
+
+def safe_name(arch: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in arch).strip("_")
+
+
+def save_global_models(run_dir: RunDir, server, cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
+    """Write the server's global models and its artifacts (FedMHO's sample grid) into the run
+    directory. Returns the global models written."""
+    globals_ = server.global_models()
+    for arch, state in globals_.items():
+        model, options, shape = server.global_spec(arch)
+        meta = {**model_meta(cfg, ds), "arch": arch, "model": model, "model_options": options, "scope": "global",
+                "input_shape": list(shape)}
+        run_dir.save_model(f"global-{safe_name(arch)}", state, meta)
+    server.write_artifacts(run_dir.path)
+    return globals_
