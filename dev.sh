@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything edgefl needs on a fresh machine, then runs one job:
 #   ./dev.sh demo [edgefl simulate options]   the main job on its embedded defaults
-#   ./dev.sh test [pytest options]            the test suite (what .ci/run calls)
+#   ./dev.sh test [pytest options]            lint (ruff) and the test suite (what .ci/run calls)
 #   ./dev.sh bench NAME [options]             a benchmark from bench/
 #   ./dev.sh edgefl ARGS...                   any edgefl command inside the environment
 # Set-up is idempotent: the virtual environment (.venv, or $EDGEFL_VENV) is rebuilt only when
@@ -63,6 +63,8 @@ case "$job" in
     test)
         apt_install dataset-fashion-mnist mosquitto
         setup_venv
+        # lint first (pyproject.toml [tool.ruff]): a finding fails the run before the slow tests
+        "$VENV/bin/ruff" check . || { echo "ruff found problems (see above); fix them or run: $VENV/bin/ruff check --fix ." >&2; exit 1; }
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     bench)

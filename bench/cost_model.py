@@ -128,7 +128,8 @@ def main() -> None:
     worst = max(rows, key=lambda r: abs(r["time_error_full"]))
     print(f"largest full-fit time error: {worst['model']} {worst['time_error_full']:+.1%}")
     path = save("cost_model", {"args": {k: str(v) for k, v in vars(args).items()}, "effective_gflops_median": effective,
-                               "fit_four_term": {"step": list(four_term), "memory": list(four_term_memory)}, "fit": vars(fit), "rows": rows, "within_25pct": within})
+                               "fit_four_term": {"step": list(four_term), "memory": list(four_term_memory)}, "fit": vars(fit), "rows": rows,
+                               "within_25pct": within})
     print(f"wrote {path}")
 
 

@@ -241,7 +241,7 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
                     "-" if not mob else f"NNAPI {mob['nnapi']['supported_nodes']}/{mob['nnapi']['nodes']}",
                 )
     out.print(table)
-    out.print(f"float files match PyTorch within rtol 1e-4 / atol 1e-5; each file has a .json sidecar (shapes, normalisation, labels, SHA-256)")
+    out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; each file has a .json sidecar (shapes, normalisation, labels, SHA-256)")
 
 
 @app.command()

@@ -119,8 +119,8 @@ def server(weighted: bool = True) -> CHFLServer:
     return CHFLServer(infos, CHFLOptions(embedding_dim=2, weighted=weighted), seed=0, num_classes=2, input_shape=(3,))
 
 
-def head(sender: str, value: float, n: int, round: int = 1) -> Message:
-    return Message("head", round, sender, {"weight": torch.full((2, 2), value), "bias": torch.full((2,), value)}, {"num_samples": n})
+def head(sender: str, value: float, n: int, round_no: int = 1) -> Message:
+    return Message("head", round_no, sender, {"weight": torch.full((2, 2), value), "bias": torch.full((2,), value)}, {"num_samples": n})
 
 
 @pytest.mark.parametrize("weighted, expected", [(True, (1 * 10 + 5 * 30) / 40), (False, 3.0)])
@@ -137,16 +137,16 @@ def test_head_aggregation_is_the_mean(weighted, expected):
 def test_server_rejects_what_is_not_a_head():
     s = server()
     s.begin_round(2)
-    bad = head("c0", 1.0, 10, round=2)
+    bad = head("c0", 1.0, 10, round_no=2)
     bad.tensors["backbone.weight"] = torch.zeros(3)
     assert "head does not match: missing [], unexpected ['backbone.weight']" in s.receive(bad).reason
     wrong_shape = Message("head", 2, "c0", {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, {"num_samples": 5})
     assert "expected (2, 2)" in s.receive(wrong_shape).reason
-    again = head("c0", 1.0, 10, round=2)
+    again = head("c0", 1.0, 10, round_no=2)
     assert s.receive(again).status == "accepted"
-    assert "one head upload per device" in s.receive(head("c0", 2.0, 10, round=2)).reason
-    assert s.receive(head("c0", 1.0, 10, round=1)).status == "late"
-    assert "NaN" in s.receive(head("c1", float("nan"), 10, round=2)).reason
+    assert "one head upload per device" in s.receive(head("c0", 2.0, 10, round_no=2)).reason
+    assert s.receive(head("c0", 1.0, 10, round_no=1)).status == "late"
+    assert "NaN" in s.receive(head("c1", float("nan"), 10, round_no=2)).reason
 
 
 def test_embedding_width_mismatch_is_a_clear_error():

@@ -12,9 +12,9 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("litert_torch")
 pytest.importorskip("ai_edge_litert")
 
-from edgefl.data import load_dataset  # noqa: E402
-from edgefl.errors import EdgeflError  # noqa: E402
-from edgefl.exporters import (  # noqa: E402
+from edgefl.data import load_dataset
+from edgefl.errors import EdgeflError
+from edgefl.exporters import (
     ExportSourceError,
     ParityError,
     check_parity,
@@ -24,8 +24,8 @@ from edgefl.exporters import (  # noqa: E402
     load_weights_file,
     read_sidecar,
 )
-from edgefl.models import build_model, model_names  # noqa: E402
-from edgefl.rundir import RunDir  # noqa: E402
+from edgefl.models import build_model, model_names
+from edgefl.rundir import RunDir
 
 # Small widths keep the suite quick; the ops (and so the exporters' paths) are those of the full nets.
 SMALL = {"resnet": {"width": 0.125}, "fedhe-cnn": {"width": 0.125}, "vgg9": {"width": 0.0625}}

@@ -37,9 +37,9 @@ def test_group_members_share_initial_weights_and_groups_differ():
     assert all(torch.equal(d0.tensors[k], again.tensors[k]) for k in d0.tensors)
 
 
-def _update(s: FedAvgServer, sender: str, value: float, n: int, round: int = 1) -> Message:
-    tensors = {k: torch.full_like(v, value) if v.is_floating_point() else v for k, v in s.downlink(round, sender).tensors.items()}
-    return Message("weights", round, sender, tensors, {"num_samples": n})
+def _update(s: FedAvgServer, sender: str, value: float, n: int, round_no: int = 1) -> Message:
+    tensors = {k: torch.full_like(v, value) if v.is_floating_point() else v for k, v in s.downlink(round_no, sender).tensors.items()}
+    return Message("weights", round_no, sender, tensors, {"num_samples": n})
 
 
 def test_averaging_stays_within_architecture():
@@ -58,12 +58,12 @@ def test_averaging_stays_within_architecture():
 def test_wrong_architecture_late_and_repeated_updates():
     s = make_server()
     s.begin_round(2)
-    wrong = _update(s, "b0", 1.0, 5, round=2)
+    wrong = _update(s, "b0", 1.0, 5, round_no=2)
     wrong.sender = "a0"  # b-shaped weights claimed by an a-client
     assert s.receive(wrong).status == "rejected"
-    assert s.receive(_update(s, "a0", 1.0, 10, round=1)).status == "late"
-    assert s.receive(_update(s, "a0", 1.0, 10, round=2)).status == "accepted"
-    r = s.receive(_update(s, "a0", 2.0, 10, round=2))
+    assert s.receive(_update(s, "a0", 1.0, 10, round_no=1)).status == "late"
+    assert s.receive(_update(s, "a0", 1.0, 10, round_no=2)).status == "accepted"
+    r = s.receive(_update(s, "a0", 2.0, 10, round_no=2))
     assert r.status == "rejected" and "one weights upload per device per round" in r.reason
-    nan = _update(s, "a1", float("nan"), 10, round=2)
+    nan = _update(s, "a1", float("nan"), 10, round_no=2)
     assert "NaN" in s.receive(nan).reason

@@ -20,8 +20,8 @@ def server(n_clients: int = 3, **opts) -> FedHeServer:
     return FedHeServer(infos, FedHeOptions(**opts), seed=0, num_classes=C, input_shape=(4,))
 
 
-def report(sender: str, round: int, classes: list[int], logits: list[list[float]]) -> Message:
-    return Message("class_logits", round, sender, {
+def report(sender: str, round_no: int, classes: list[int], logits: list[list[float]]) -> Message:
+    return Message("class_logits", round_no, sender, {
         "logits": torch.tensor(logits, dtype=torch.float32),
         "classes": torch.tensor(classes, dtype=torch.int64),
         "counts": torch.ones(len(classes), dtype=torch.int64),

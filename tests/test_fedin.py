@@ -210,13 +210,13 @@ def test_hostile_pairs_are_rejected():
     assert s.receive(no_pairs).status == "rejected"
 
 
-def upload(s: FedINServer, sender: str, value: float, round: int = 1) -> Message:
+def upload(s: FedINServer, sender: str, value: float, round_no: int = 1) -> Message:
     arch_name = s.clients[sender].arch
     tensors = {k: torch.full_like(v, value) if v.is_floating_point() else v for k, v in s.arch_weights[arch_name].items()}
     sig_in, sig_out = s.signature[arch_name]
     tensors[PAIRS_PREFIX + "s_in"] = torch.rand(16, *sig_in)
     tensors[PAIRS_PREFIX + "s_out"] = torch.rand(16, *sig_out)
-    return Message("weights", round, sender, tensors, {"num_samples": s.clients[sender].num_samples})
+    return Message("weights", round_no, sender, tensors, {"num_samples": s.clients[sender].num_samples})
 
 
 def test_fedin_simulation_on_digits_is_reproducible_and_learns():

@@ -41,13 +41,13 @@ def infos(models=("mlp", "mlp", "mlp"), counts=(10, 30, 60), hidden=((8,), (8,),
             for i, (m, n, h) in enumerate(zip(models, counts, hidden))]
 
 
-def upload(s: FeloServer, sender: str, classes, feats, logits, counts, weight_value: float = 1.0, round: int = 1) -> Message:
+def upload(s: FeloServer, sender: str, classes, feats, logits, counts, weight_value: float = 1.0, round_no: int = 1) -> Message:
     arch = s.clients[sender].arch
     tensors = {k: torch.full_like(v, weight_value) if v.is_floating_point() else v for k, v in s.group_weights[arch].items()}
     tensors.update({KNOWLEDGE + "classes": torch.tensor(classes), KNOWLEDGE + "counts": torch.tensor(counts),
                     KNOWLEDGE + "features": torch.tensor(feats, dtype=torch.float32),
                     KNOWLEDGE + "logits": torch.tensor(logits, dtype=torch.float32)})
-    return Message("class_features", round, sender, tensors, {"num_samples": s.clients[sender].num_samples})
+    return Message("class_features", round_no, sender, tensors, {"num_samples": s.clients[sender].num_samples})
 
 
 def test_per_class_averaging_with_uneven_counts_and_a_missing_class():
@@ -82,7 +82,7 @@ def test_store_keeps_the_most_recent_reports_per_class():
     s = FeloServer(infos(), FeloOptions(feature_dim=4, store_size=2), seed=0, num_classes=3, input_shape=(5,))
     for r, value in ((1, 1.0), (2, 2.0), (3, 3.0)):
         s.begin_round(r)
-        s.receive(upload(s, "c0", [0], [[value] * 4], [[value, 0, 0]], [1], round=r))
+        s.receive(upload(s, "c0", [0], [[value] * 4], [[value, 0, 0]], [1], round_no=r))
         s.close_round(r)
     assert [float(i.feature[0]) for i in s.store[0]] == [2.0, 3.0]
     assert float(s.class_averages()[0][0, 0]) == pytest.approx(2.5)
@@ -161,7 +161,7 @@ def test_velo_retrains_only_every_k_rounds():
     trained = []
     for r in range(1, 7):
         s.begin_round(r)
-        s.receive(upload(s, "c0", [0, 1], [[1, 1, 1, 1], [2, 2, 2, 2]], [[1, 0, 0], [0, 1, 0]], [1, 1], round=r))
+        s.receive(upload(s, "c0", [0, 1], [[1, 1, 1, 1], [2, 2, 2, 2]], [[1, 0, 0], [0, 1, 0]], [1, 1], round_no=r))
         trained.append("cvae" in s.close_round(r))
     assert trained == [True, False, True, False, False, True]  # first round, then rounds 3 and 6
     assert tuple(s.downlink(7, "c0").tensors[KNOWLEDGE + "features"].shape) == (3, 8, 4)

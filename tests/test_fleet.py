@@ -403,38 +403,7 @@ def test_a_fleet_runs_on_the_embedded_broker_too(tmp_path):
     assert fleet["final_accuracy"]["overall"] == sim["final_accuracy"]["overall"]
 
 
-# --- server state --------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["fedavg", "fedhe", "chfl", "fedin", "felo", "velo", "local"])
-def test_every_server_half_survives_a_save_and_restore(method, tmp_path):
-    from edgefl.server.state import load_state, save_state
-    from edgefl.sim import Simulation
-    from edgefl.build import build_server
-
-    raw = digits_config(method, rounds=2)
-    for g in raw["fleet"]["groups"]:
-        if method == "chfl":
-            g["options"]["feature_dim"] = 64
-        if method in ("felo", "velo"):
-            g["options"]["feature_dim"] = 32
-    if method in ("felo", "velo"):
-        raw["method"]["feature_dim"] = 32
-    if method == "fedin":
-        raw["fleet"]["groups"] = [{"model": "resnet10", "count": 2, "options": {"width": 0.0625}},
-                                  {"model": "resnet14", "count": 2, "options": {"width": 0.0625}}]
-    sim = Simulation(RunConfig.model_validate(raw), show_progress=False)
-    sim.run_round(1)
-    path = save_state(sim.server, tmp_path / "state.safetensors", {"round": 1})
-    fresh = build_server(sim.cfg, sim.ds, sim.slots)
-    assert load_state(fresh, path) == {"round": 1}
-    for cid in sim.clients:
-        a, b = sim.server.downlink(2, cid), fresh.downlink(2, cid)
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.tensors.keys() == b.tensors.keys() and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
-    # no pickle anywhere in the file: it is a safetensors file with a JSON skeleton
-    assert path.read_bytes()[8:9] == b"{"
-
-
+# --- server state (every method's save and restore: tests/test_every_method.py) ---------------------
 def test_a_killed_server_resumes_where_it_stopped(tmp_path):
     import signal
 

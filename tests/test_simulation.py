@@ -12,7 +12,8 @@ from edgefl.messages import encode
 from edgefl.report import draw_plots
 from edgefl.rundir import RunDir, load_model_file
 from edgefl.sim import Simulation
-from tests.conftest import digits_config
+from edgefl.methods import METHODS
+from tests.conftest import digits_config, method_config
 
 
 def run(raw, out=None):
@@ -25,12 +26,12 @@ def accuracies(history):
     return [(h["round"], h["accuracy"]["per_client"] if h["accuracy"] else None, h["train_loss"]) for h in history]
 
 
-@pytest.mark.parametrize("method", ["fedhe", "fedavg", "local"])
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_same_seed_same_numbers(method):
-    a, _ = run(digits_config(method, rounds=2))
-    b, _ = run(digits_config(method, rounds=2))
+    a, _ = run(method_config(method, rounds=2))
+    b, _ = run(method_config(method, rounds=2))
     assert accuracies(a.history) == accuracies(b.history)
-    c, _ = run({**digits_config(method, rounds=2), "seed": 1})
+    c, _ = run({**method_config(method, rounds=2), "seed": 1})
     assert accuracies(a.history) != accuracies(c.history)
 
 

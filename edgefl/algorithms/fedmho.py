@@ -36,8 +36,14 @@ DEFAULT_GLOBAL_TRAINING = GLOBAL_TRAINING["fashion-mnist"]
 
 class _ServerFusionOptions(MethodOptions):
     synthetic_samples: int = Field(6000, ge=1, description="N: synthetic samples generated in total (N / C per class)")
-    global_epochs: int | None = Field(None, ge=0, description="server training epochs (default per dataset: MNIST 10, Fashion 20, SVHN 20, EMNIST 30; others 20)")
-    global_lr: float | None = Field(None, gt=0, description="server Adam learning rate (default per dataset: MNIST 1e-5, Fashion 5e-4, SVHN and EMNIST 5e-5; others 5e-4)")
+    global_epochs: int | None = Field(None, ge=0, description=(
+        "server training epochs (default per dataset: MNIST 10, "
+        "Fashion 20, SVHN 20, EMNIST 30; others 20)"
+    ))
+    global_lr: float | None = Field(None, gt=0, description=(
+        "server Adam learning rate (default per dataset: MNIST "
+        "1e-5, Fashion 5e-4, SVHN and EMNIST 5e-5; others 5e-4)"
+    ))
     global_batch: int = Field(64, ge=1)
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the server generates and trains: auto = CUDA when present")
     preview_per_class: int = Field(5, ge=0, description="synthetic samples per class drawn in synthetic-samples.png (0: none)")

@@ -18,7 +18,7 @@ from edgefl.models.split import SplitClassifier
 
 # Importing the families registers their builders: the registry itself imports none of them, so
 # the package (always imported before any of its modules) is where the zoo is assembled.
-from edgefl.models import cnn, cvae, mlp, resnet, vgg  # noqa: E402,F401  isort: skip
+from edgefl.models import cnn, cvae, mlp, resnet, vgg  # noqa: F401  isort: skip
 
 __all__ = [
     "ModelInfo", "ModelSpec", "SplitClassifier", "build_model", "count_flops", "example_inputs",

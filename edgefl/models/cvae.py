@@ -38,7 +38,7 @@ class _CroppedConvTranspose2d(nn.ConvTranspose2d):
     def __init__(self, cin: int, cout: int, output_padding: int) -> None:
         super().__init__(cin, cout, 4, stride=2, padding=1, output_padding=output_padding)
 
-    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:  # noqa: ARG002
+    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
         full = nn.functional.conv_transpose2d(x, self.weight, self.bias, stride=self.stride)
         p, op = self.padding[0], self.output_padding[0]
         return full[:, :, p : full.shape[2] - p + op, p : full.shape[3] - p + op]

@@ -190,7 +190,8 @@ class StepFit:
     def from_profile(cls, profile: DeviceProfile) -> StepFit | None:
         """The profile's fitted step model, None unless ``edgefl device-profile`` measured all of it."""
         c, m = profile.compute, profile.memory
-        fields = (c.step_overhead_us, c.layer_overhead_us, c.conv_overhead_us, c.conv_gflops, c.transposed_conv_gflops, c.linear_gflops, c.random_ns_per_element,
+        fields = (c.step_overhead_us, c.layer_overhead_us, c.conv_overhead_us, c.conv_gflops, c.transposed_conv_gflops, c.linear_gflops,
+                  c.random_ns_per_element,
                   c.traffic_ns_per_byte, c.tensor_overhead_us, c.param_overhead_ns)
         if not all(q.known for q in fields):
             return None

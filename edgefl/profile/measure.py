@@ -219,7 +219,8 @@ def profile_host(
     if fit is not None:
         details["fit"] = dataclasses.asdict(fit)
     fit_source = (f"non-negative least-squares fit over {len(ok)} zoo models of step = fixed + operators x o + convolutions x c + conv FLOPs x 3 / conv rate "
-                  "+ transposed-conv FLOPs x 3 / its rate + linear FLOPs x 3 / linear rate + random elements x r + memory-bound bytes x q; optimizer time (timed apart) "
+                  "+ transposed-conv FLOPs x 3 / its rate + linear FLOPs x 3 / linear rate + random elements x r + memory-bound bytes x q; "
+                  "optimizer time (timed apart) "
                   "= fixed + parameter tensors x t + params x p")
     memory_source = (f"fit over {len(ok)} zoo models of peak training memory - params x 16 "
                      "= activation factor x forward-tensor bytes x batch + factor x largest parameter tensor bytes + overhead")

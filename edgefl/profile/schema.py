@@ -75,7 +75,10 @@ class Memory(_Strict):
     training_budget_bytes: Quantity = Field(default_factory=_unknown, description="RAM left for training after OS and runtime")
     step_overhead_bytes: Quantity = Field(default_factory=_unknown, description="training memory beyond weights, optimizer and activations")
     activation_factor: Quantity = Field(default_factory=_unknown, description="bytes autograd and kernels hold per byte of new forward tensors")
-    largest_tensor_factor: Quantity = Field(default_factory=_unknown, description="bytes held per byte of the largest parameter tensor (the optimizer's temporaries, one tensor at a time)")
+    largest_tensor_factor: Quantity = Field(default_factory=_unknown, description=(
+        "bytes held per byte of the largest parameter "
+        "tensor (the optimizer's temporaries, one tensor at a time)"
+    ))
     storage_bytes: Quantity = Field(default_factory=_unknown, description="free storage where runs are kept")
 
 
@@ -85,14 +88,26 @@ class Compute(_Strict):
     int8_gops: Quantity = Field(default_factory=_unknown)
     # the full step fit of `edgefl device-profile` (see edgefl.profile.cost): used when all are known
     step_overhead_us: Quantity = Field(default_factory=_unknown, description="fixed cost of a training step (loss, autograd start, optimizer call)")
-    layer_overhead_us: Quantity = Field(default_factory=_unknown, description="per-operator, per-step dispatch cost of a training step (operators: the aten ops of the forward pass)")
+    layer_overhead_us: Quantity = Field(default_factory=_unknown, description=(
+        "per-operator, per-step dispatch cost of a training step "
+        "(operators: the aten ops of the forward pass)"
+    ))
     conv_overhead_us: Quantity = Field(default_factory=_unknown, description="per convolution call, per step: setting up its forward and backward kernels")
     conv_gflops: Quantity = Field(default_factory=_unknown, description="rate of convolutions, 3 x forward FLOPs per step (0: no separate term)")
-    transposed_conv_gflops: Quantity = Field(default_factory=_unknown, description="rate of transposed convolutions (generators' upsampling), 3 x forward FLOPs per step (0: no separate term)")
+    transposed_conv_gflops: Quantity = Field(default_factory=_unknown, description=(
+        "rate of transposed convolutions (generators' upsampling), 3 x "
+        "forward FLOPs per step (0: no separate term)"
+    ))
     linear_gflops: Quantity = Field(default_factory=_unknown, description="rate of matrix multiplies, 3 x forward FLOPs per step (0: no separate term)")
     random_ns_per_element: Quantity = Field(default_factory=_unknown, description="per random number drawn (dropout masks, sampling noise)")
-    traffic_ns_per_byte: Quantity = Field(default_factory=_unknown, description="per byte read and written by memory-bound operators (norms, activations, pooling, additions)")
-    tensor_overhead_us: Quantity = Field(default_factory=_unknown, description="per parameter tensor, per step: the optimizer's own operators for each (a CPU updates tensors one by one)")
+    traffic_ns_per_byte: Quantity = Field(default_factory=_unknown, description=(
+        "per byte read and written by "
+        "memory-bound operators (norms, activations, pooling, additions)"
+    ))
+    tensor_overhead_us: Quantity = Field(default_factory=_unknown, description=(
+        "per parameter tensor, per step: the optimizer's own operators "
+        "for each (a CPU updates tensors one by one)"
+    ))
     param_overhead_ns: Quantity = Field(default_factory=_unknown, description="per-parameter, per-step cost (gradients, optimizer update: memory traffic)")
 
 

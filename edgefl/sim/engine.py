@@ -106,7 +106,7 @@ class Simulation:
             for r in range(1, cfg.rounds + 1):
                 n_sel = len(select_devices(cfg, list(self.clients), r))
                 clients_task = progress.add_task(f"round {r}: clients", total=n_sel)
-                record = self.run_round(r, advance=lambda: progress.advance(clients_task))
+                record = self.run_round(r, advance=lambda task=clients_task: progress.advance(task))
                 self.session.after_round(record)
                 progress.remove_task(clients_task)
                 progress.advance(rounds_task)

@@ -71,7 +71,7 @@ class ServerTransport(ABC):
         network can know this; a real one returns nothing."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional: an in-memory transport holds nothing)
         """Release the connection."""
 
 
@@ -89,5 +89,5 @@ class DeviceTransport(ABC):
     def now(self) -> float:
         return time.monotonic()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional: an in-memory transport holds nothing)
         """Release the connection."""

@@ -28,15 +28,15 @@ class CHFLServer(ServerHalf):
         self.global_head = {k: v.detach().clone() for k, v in head.state_dict().items()}
         self.pending: dict[str, Message] = {}
 
-    def downlink(self, round: int, client_id: str) -> Message | None:
-        return Message("head", round, "server", self.global_head, {"embedding_dim": self.options.embedding_dim})
+    def downlink(self, round_no: int, client_id: str) -> Message | None:
+        return Message("head", round_no, "server", self.global_head, {"embedding_dim": self.options.embedding_dim})
 
     def accept(self, message: Message) -> Receipt:
         if message.kind != "head":
             return Receipt("rejected", f"expected head, got {message.kind}")
         return self.hold_update(message, self.global_head, "head")
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
         if self.pending:
             msgs = [self.pending[s] for s in sorted(self.pending)]
             weights = [m.num_samples if self.options.weighted else 1 for m in msgs]

@@ -41,16 +41,16 @@ class FedAvgServer(ServerHalf):
             self.group_weights[arch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.pending: dict[str, Message] = {}
 
-    def downlink(self, round: int, client_id: str) -> Message | None:
+    def downlink(self, round_no: int, client_id: str) -> Message | None:
         arch = self.clients[client_id].arch
-        return Message("weights", round, "server", self.group_weights[arch], {"arch": arch})
+        return Message("weights", round_no, "server", self.group_weights[arch], {"arch": arch})
 
     def accept(self, message: Message) -> Receipt:
         if message.kind != "weights":
             return Receipt("rejected", f"expected weights, got {message.kind}")
         return self.hold_update(message, self.group_weights[self.clients[message.sender].arch], "weights")
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
         groups: dict[str, list[Message]] = {}
         for sender in sorted(self.pending):  # fixed order: the result does not depend on arrival order
             groups.setdefault(self.clients[sender].arch, []).append(self.pending[sender])

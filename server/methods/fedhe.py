@@ -81,12 +81,12 @@ class FedHeServer(ServerHalf):
         sums[mask] /= n[mask].unsqueeze(1).to(torch.float64)
         return sums.float(), mask
 
-    def downlink(self, round: int, client_id: str) -> Message | None:
+    def downlink(self, round_no: int, client_id: str) -> Message | None:
         logits, mask = self.global_logits()
         if not bool(mask.any()):
-            return Message("class_logits", round, "server", {}, {"empty": True})
-        return Message("class_logits", round, "server", {"logits": logits, "mask": mask})
+            return Message("class_logits", round_no, "server", {}, {"empty": True})
+        return Message("class_logits", round_no, "server", {"logits": logits, "mask": mask})
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
         _, mask = self.global_logits()
         return {"classes_known": int(mask.sum()), "clients_in_store": len(self.store)}

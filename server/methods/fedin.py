@@ -104,13 +104,13 @@ class FedINServer(ServerHalf):
             out[arch] = new
         return out
 
-    def downlink(self, round: int, client_id: str) -> Message | None:
+    def downlink(self, round_no: int, client_id: str) -> Message | None:
         arch = self.clients[client_id].arch
         tensors = dict(self.arch_weights[arch])
         batch = self.batch_for.get(self.signature[arch])
         if batch is not None:
             tensors[PAIRS_PREFIX + "s_in"], tensors[PAIRS_PREFIX + "s_out"] = batch
-        return Message("weights", round, "server", tensors, {"arch": arch, "pairs": 0 if batch is None else len(batch[0])})
+        return Message("weights", round_no, "server", tensors, {"arch": arch, "pairs": 0 if batch is None else len(batch[0])})
 
     def accept(self, message: Message) -> Receipt:
         if message.kind != "weights":
@@ -135,7 +135,7 @@ class FedINServer(ServerHalf):
             self.store[message.sender] = _Pairs(message.round, s_in.float().clone(), s_out.float().clone())
         return receipt
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
         senders = sorted(self.pending)  # fixed order: the result does not depend on arrival order
         if self.options.aggregation == "strict":
             for arch in sorted({self.clients[s].arch for s in senders}):
@@ -145,20 +145,20 @@ class FedINServer(ServerHalf):
             uploads = [(self.pending[s].tensors, float(self.pending[s].num_samples)) for s in senders]
             self.arch_weights = layerwise_average(self.arch_weights, uploads)
         self.pending = {}
-        self._draw_batches(round)
+        self._draw_batches(round_no)
         return {"aggregated": len(senders), "pair_batches": {str(list(s[0])): len(b[0]) for s, b in self.batch_for.items()}}
 
-    def _draw_batches(self, round: int) -> None:
+    def _draw_batches(self, round_no: int) -> None:
         """Algorithm 1, line 5: one random batch S per signature from the recent pairs."""
         self.batch_for = {}
-        fresh = {c: p for c, p in sorted(self.store.items()) if round - p.round < self.options.store_rounds}
+        fresh = {c: p for c, p in sorted(self.store.items()) if round_no - p.round < self.options.store_rounds}
         for sig in sorted(set(self.signature.values())):
             chosen = [p for c, p in fresh.items() if self.signature[self.clients[c].arch] == sig]
             if not chosen:
                 continue
             s_in = torch.cat([p.s_in for p in chosen])
             s_out = torch.cat([p.s_out for p in chosen])
-            gen = generator(self.seed, "fedin-pairs", round, str(sig))
+            gen = generator(self.seed, "fedin-pairs", round_no, str(sig))
             idx = torch.randperm(len(s_in), generator=gen)[: self.options.pair_batch]
             self.batch_for[sig] = (s_in[idx].contiguous(), s_out[idx].contiguous())
 

@@ -27,7 +27,7 @@ from torch import nn
 from edgefl.algorithms.fedmho import DECODER_PREFIX, FedCVAEOptions, FedMHOOptions, global_training
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
-from edgefl.models import build_model, get_spec
+from edgefl.models import get_spec
 from edgefl.models.cvae import CVAE
 from edgefl.seeding import derive_seed, generator
 from edgefl.server.methods.base import Receipt, ServerHalf
@@ -102,11 +102,11 @@ class _OneShotGenerativeServer(ServerHalf):
             raise ValueError(f"decoders with different latent sizes {sorted(latents)} cannot share one z")
         return decoders, counts, latents.pop() if latents else 0
 
-    def _synthesise(self, plan_fn, round: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def _synthesise(self, plan_fn, round_no: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         senders = sorted(s for s in self.pending if self.kind_of[s] == "generator")
         decoders, counts, latent = self._decoders(senders)
         plan = plan_fn(counts, self.options.synthetic_samples)
-        gen = generator(self.seed, "synthetic", round)
+        gen = generator(self.seed, "synthetic", round_no)
         x, y = generate(decoders, plan, latent, self.num_classes, gen, device)
         return x, y, {"decoders": senders, "generated": len(y), "plan": {s: row for s, row in zip(senders, plan)}}
 
@@ -116,14 +116,14 @@ class _OneShotGenerativeServer(ServerHalf):
             self.preview = sample_grid(x, y, self.num_classes, per_class, generator(self.seed, "preview"))
 
     # --- results ------------------------------------------------------------------------
-    def downlink(self, round: int, client_id: str) -> Message | None:
+    def downlink(self, round_no: int, client_id: str) -> Message | None:
         arch = self.clients[client_id].arch
         if self.global_state is not None:
             # after fusion: the global model, for the devices that can run it (and for evaluation)
-            return Message("weights", round, "server", self.global_state, {"arch": arch}) if arch == self.global_arch else None
+            return Message("weights", round_no, "server", self.global_state, {"arch": arch}) if arch == self.global_arch else None
         if arch in self.initial:
             # the shared start: every classifier client of an architecture gets the same weights
-            return Message("weights", round, "server", self.initial[arch], {"arch": arch, "shared_start": True})
+            return Message("weights", round_no, "server", self.initial[arch], {"arch": arch, "shared_start": True})
         return None
 
     def global_models(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -152,7 +152,7 @@ class FedMHOServer(_OneShotGenerativeServer):
             raise ConfigError("FedMHO needs at least one classifier client: its global model starts from their weights",
                               hint='give a fleet group a classifier (model = "vgg9"), or run fedcvae for generator-only fleets')
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         opts = self.options
         epochs, lr = global_training(opts, self.dataset)
@@ -185,7 +185,7 @@ class FedMHOServer(_OneShotGenerativeServer):
             record["time_s"] = round_s(time.perf_counter() - t0)
             return record
 
-        x, y, gen_record = self._synthesise(fedmho_plan, round, device)
+        x, y, gen_record = self._synthesise(fedmho_plan, round_no, device)
         record.update(gen_record)
         if opts.keep_ratio < 1:
             x, y, per_class = kmeans_filter(x, y, opts.keep_ratio)
@@ -193,7 +193,7 @@ class FedMHOServer(_OneShotGenerativeServer):
         record["kept"] = len(y)
         self._keep_preview(x, y)
 
-        order = generator(self.seed, "fusion-order", round)
+        order = generator(self.seed, "fusion-order", round_no)
         if len(same_arch) < len(classifier_senders):
             # different classifier architectures cannot be averaged: distil their ensemble (section 5.6)
             ens = mean_logits(teachers, x, device)
@@ -233,19 +233,19 @@ class FedCVAEServer(_OneShotGenerativeServer):
             return self.options.global_model, dict(self.options.global_model_options), self.input_shape
         return super().global_spec(arch)
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         opts = self.options
         epochs, lr = global_training(opts, self.dataset)
         device = pick_device(opts.device)
         if not self.pending:
             return {"fused": False, "reason": "no decoder reported"}
-        x, y, record = self._synthesise(proportional_plan, round, device)
+        x, y, record = self._synthesise(proportional_plan, round_no, device)
         self._keep_preview(x, y)
         torch.manual_seed(derive_seed(self.seed, "server-init", self.global_arch))
         model = self.build_global(self.global_arch)
         stats = train_on_synthetic(model, x, y, None, 1.0, epochs=epochs, lr=lr,
-                                   batch_size=opts.global_batch, generator=generator(self.seed, "fusion-order", round), device=device)
+                                   batch_size=opts.global_batch, generator=generator(self.seed, "fusion-order", round_no), device=device)
         self.global_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         self.pending = {}
         record.update(fused=True, device=str(device), global_arch=self.global_arch, kept=len(y), steps=stats.steps,

@@ -66,17 +66,17 @@ class FeloServer(ServerHalf):
             mask[c] = True
         return feats, logits, mask
 
-    def class_features(self, round: int, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    def class_features(self, round_no: int, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """What the clients match their features against: Felo sends the averages ([C, 1, F])."""
         return feats.unsqueeze(1), {}
 
     # --- the contract ------------------------------------------------------------------
-    def downlink(self, round: int, client_id: str) -> Message | None:
+    def downlink(self, round_no: int, client_id: str) -> Message | None:
         arch = self.clients[client_id].arch
         tensors = dict(self.group_weights[arch])
         if self.knowledge is not None:
             tensors.update(self.knowledge)
-        return Message("class_features", round, "server", tensors, {"arch": arch})
+        return Message("class_features", round_no, "server", tensors, {"arch": arch})
 
     def accept(self, message: Message) -> Receipt:
         if message.kind != "class_features":
@@ -109,7 +109,7 @@ class FeloServer(ServerHalf):
             self.pending[message.sender] = message
         return receipt
 
-    def close_round(self, round: int) -> dict[str, Any]:
+    def close_round(self, round_no: int) -> dict[str, Any]:
         senders = sorted(self.pending)  # fixed order: results do not depend on arrival order
         groups: dict[str, list[Message]] = {}
         for s in senders:
@@ -126,7 +126,7 @@ class FeloServer(ServerHalf):
         feats, logits, mask = self.class_averages()
         info: dict[str, Any] = {"groups_updated": sorted(groups), "classes_known": int(mask.sum())}
         if bool(mask.any()):
-            synthetic, extra = self.class_features(round, feats, mask)
+            synthetic, extra = self.class_features(round_no, feats, mask)
             info.update(extra)
             self.knowledge = {KNOWLEDGE + "features": synthetic, KNOWLEDGE + "logits": logits, KNOWLEDGE + "mask": mask}
         return info
@@ -142,16 +142,16 @@ class VeloServer(FeloServer):
         self.cvae = FeatureCVAE(options.feature_dim, self.num_classes, options.latent_dim, options.hidden_dim)
         self.trained_rounds = 0
 
-    def class_features(self, round: int, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    def class_features(self, round_no: int, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         opts = self.options
         info: dict[str, Any] = {}
-        if self.trained_rounds == 0 or round % opts.retrain_every == 0:
+        if self.trained_rounds == 0 or round_no % opts.retrain_every == 0:
             s = torch.stack([i.feature for items in self.store for i in items])
             y = torch.tensor([c for c, items in enumerate(self.store) for _ in items])
-            torch.manual_seed(derive_seed(self.seed, "velo-cvae-train", round))  # the reparameterisation noise
-            info["cvae"] = train_feature_cvae(self.cvae, s, y, opts.cvae_epochs, opts.cvae_lr, generator(self.seed, "velo-order", round))
+            torch.manual_seed(derive_seed(self.seed, "velo-cvae-train", round_no))  # the reparameterisation noise
+            info["cvae"] = train_feature_cvae(self.cvae, s, y, opts.cvae_epochs, opts.cvae_lr, generator(self.seed, "velo-order", round_no))
             self.trained_rounds += 1
         known = torch.nonzero(mask).flatten()
         synthetic = torch.zeros(self.num_classes, opts.synthetic_per_class, opts.feature_dim)
-        synthetic[known] = self.cvae.generate(known, opts.synthetic_per_class, generator(self.seed, "velo-generate", round))
+        synthetic[known] = self.cvae.generate(known, opts.synthetic_per_class, generator(self.seed, "velo-generate", round_no))
         return synthetic, info
