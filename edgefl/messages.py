@@ -2,22 +2,11 @@
 
 Every method fits the same record: a ``kind`` naming the payload, the round, the sender, a
 dict of named tensors and a small JSON-able ``meta`` dict (sample counts, class counts, the
-architecture...). The kinds in use:
-
-=====================  =======================================  ==========================
-kind                   tensors                                  used by
-=====================  =======================================  ==========================
-``weights``            parameter and buffer names -> values     FedAvg, FedIN, FedMHO
-``class_logits``       ``logits`` [k, C], ``classes`` [k]       FedHe, Felo, Velo
-``class_features``     ``features`` [k, F], ``classes`` [k]     Felo, Velo
-``feature_pairs``      ``s_in`` [B, ...], ``s_out`` [B, F]      FedIN
-``decoder``            decoder parameter names -> values        FedMHO (CVAE clients)
-``head``               head parameter names -> values           CHFL
-``status``             none                                     anything with no payload
-=====================  =======================================  ==========================
-
-A message may combine several (Felo sends features *and* logits): tensor names are namespaced
-by the method, and ``kind`` names the primary content.
+architecture...). :data:`MESSAGE_KINDS` lists the kinds with their tensors; which method
+uploads and downloads which is declared on its :class:`~edgefl.methods.MethodSpec`
+(``uploads``, ``downloads``), and a test checks that the two agree. A message may combine
+several (Felo sends weights, features *and* logits): tensor names are namespaced by the method,
+and ``kind`` names the primary content.
 
 Serialisation is safetensors: an 8-byte header length, a JSON header and raw little-endian
 tensor bytes. The message's own fields travel as one JSON string inside the safetensors
@@ -51,6 +40,19 @@ SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float3
                       torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
                       torch.bool: "BOOL"}
 ALLOWED_DTYPES = set(SAFETENSORS_DTYPES.values())
+
+#: every message kind in use: kind -> its tensors (docs/PROTOCOL.md gives their dtypes and shapes)
+MESSAGE_KINDS: dict[str, str] = {
+    "weights": "parameter and buffer names -> values (FedIN adds pairs.s_in / pairs.s_out)",
+    "class_logits": "logits [k, C] F32, classes [k] I64, counts [k] I64 (uplink); logits [C, C] F32, mask [C] BOOL (downlink)",
+    "class_features": "weights plus knowledge.features / knowledge.logits / knowledge.classes / knowledge.counts",
+    "decoder": "a CVAE's decoder.* parameters; meta: class_counts, latent",
+    "head": "weight [C, E] and bias [C] of the shared head",
+    "status": "none: a device that trained and shares nothing (local-only); meta: num_samples, train_loss, eval_accuracy",
+    "evaluation": "none: a device's answer to an evaluate request; meta: num_samples, eval_accuracy",
+}
+#: kinds the runners themselves use, whatever the method
+RUNNER_KINDS = ("status", "evaluation")
 
 
 @dataclass

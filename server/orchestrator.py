@@ -30,7 +30,7 @@ import torch
 
 from edgefl.config import RunConfig
 from edgefl.errors import PayloadError
-from edgefl.messages import Message, decode, encode
+from edgefl.messages import RUNNER_KINDS, Message, decode, encode
 from edgefl.methods import MethodSpec
 from edgefl.seeding import derive_seed
 from edgefl.server.evaluation import Evaluator
@@ -42,7 +42,7 @@ log = logging.getLogger("edgefl.server")
 MAX_SAMPLES = 10**9
 #: message kinds every method's devices may send besides their method's own uploads: a report
 #: of training with nothing to share, and the answer to an ``evaluate`` request
-CONTROL_KINDS = ("status", "evaluation")
+CONTROL_KINDS = RUNNER_KINDS
 
 EventSink = Callable[[str, dict[str, Any]], None]
 

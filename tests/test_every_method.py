@@ -77,3 +77,21 @@ def test_every_server_half_saves_and_restores(method, tmp_path):
     assert fresh.global_models().keys() == sim.server.global_models().keys()
     # no pickle anywhere in the file: it is a safetensors file with a JSON skeleton
     assert path.read_bytes()[8:9] == b"{"
+
+
+def test_devices_with_their_own_test_split_judge_the_global_model_the_same_in_both_runners(tmp_path):
+    """FedAvg with data.client_test_fraction: the server's pooled test set is empty, so each device
+    is sent the global model and judges it on its own split (a fleet once scored 0.0 here)."""
+    from edgefl.fleet.launcher import run_fleet
+    from edgefl.sim import Simulation
+
+    raw = method_config("fedavg", rounds=1)
+    raw["data"]["client_test_fraction"] = 0.25
+    raw["threads"] = 1
+    raw["network"] = {"federation": "own-split", "round_deadline_s": 120}
+    cfg = RunConfig.model_validate(raw)
+    sim = Simulation(cfg, show_progress=False).run()
+    fleet = run_fleet(cfg, None, None, device_timeout_s=240)
+    assert sim["final_accuracy"]["overall"] > 0.2
+    assert fleet["final_accuracy"] == sim["final_accuracy"]
+    assert set(sim["final_accuracy"]["per_client"]) == {"client-0", "client-1", "client-2", "client-3"}

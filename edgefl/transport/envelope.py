@@ -31,7 +31,7 @@ VERSION = 1
 PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 64 << 10
 
-TYPES = ("upload", "download", "chunk", "ack", "nack", "round", "presence")
+TYPES = ("upload", "download", "evaluate", "chunk", "ack", "nack", "round", "presence")
 CODECS = ("safetensors", "none")
 
 # field -> (type, required)
