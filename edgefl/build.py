@@ -251,6 +251,15 @@ class RunParts:
         return build_server(self.cfg, self.ds, self.slots)
 
 
+def federation_name(cfg: RunConfig) -> str:
+    """The federation a run's envelopes name (a topic level in a fleet): ``network.federation``,
+    else the run name with anything but letters, digits, '_', '.' and '-' made '-', 64 at most."""
+    if cfg.network.federation:
+        return cfg.network.federation
+    safe = "".join(ch if ch.isalnum() or ch in "_.-" else "-" for ch in cfg.name)[:64]
+    return safe or "run"
+
+
 def load_run_dataset(cfg: RunConfig) -> Dataset:
     ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
     return pooled(ds) if cfg.data.client_test_fraction else ds

@@ -21,7 +21,7 @@ runs blocking over MQTT (:meth:`run`) and stepped by the simulation's in-memory 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +53,10 @@ class _Pending:
     pieces: list[bytes]
     sent_at: float
     wait_s: float
-    chunk_ids: set[str] = field(default_factory=set)
+
+    def chunk_ids(self, max_bytes: int) -> set[str]:
+        """The ids of this upload's chunks (a nack of one chunk replies to its id)."""
+        return {unpack(piece, max_bytes).message_id for piece in self.pieces} if len(self.pieces) > 1 else set()
 
 
 class DeviceLoop:
@@ -155,16 +158,14 @@ class DeviceLoop:
         if known is None:
             chunks = split(upload, self.net.chunk_bytes, self.net.chunk_threshold)
             known = self.pending[upload.message_id] = _Pending(upload, chunks, self.transport.now(), self.net.ack_timeout_s)
-            if len(chunks) > 1:
-                known.chunk_ids = {unpack(c, self.net.max_message_bytes).message_id for c in chunks}
         known.sent_at = self.transport.now()
         for i in (range(len(known.pieces)) if pieces is None else pieces):
             self.transport.send(known.pieces[i])
 
     def _answered(self, reply: Envelope) -> None:
         pending = self.pending.get(reply.reply_to)
-        if pending is None:  # a nack of one chunk answers the upload that chunk belongs to
-            pending = next((p for p in self.pending.values() if reply.reply_to in p.chunk_ids), None)
+        if pending is None:  # a nack of one chunk answers the upload that chunk belongs to (rare: look it up then)
+            pending = next((p for p in self.pending.values() if reply.reply_to in p.chunk_ids(self.net.max_message_bytes)), None)
         if pending is None:
             return
         upload = pending.upload

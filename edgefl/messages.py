@@ -51,8 +51,8 @@ MESSAGE_KINDS: dict[str, str] = {
     "status": "none: a device that trained and shares nothing (local-only); meta: num_samples, train_loss, eval_accuracy",
     "evaluation": "none: a device's answer to an evaluate request; meta: num_samples, eval_accuracy",
 }
-#: kinds the runners themselves use, whatever the method
-RUNNER_KINDS = ("status", "evaluation")
+#: kinds the runners themselves use, whatever the method (an answer to an ``evaluate`` request)
+RUNNER_KINDS = ("evaluation",)
 
 
 @dataclass

@@ -40,9 +40,6 @@ from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
 
 log = logging.getLogger("edgefl.server")
 MAX_SAMPLES = 10**9
-#: message kinds every method's devices may send besides their method's own uploads: a report
-#: of training with nothing to share, and the answer to an ``evaluate`` request
-CONTROL_KINDS = RUNNER_KINDS
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -205,7 +202,7 @@ class Orchestrator:
         if declared is not None and declared != tensor_manifest(message.tensors):
             self._reject(device, env, "the body's tensors (dtype or shape) differ from the header's 'tensors' manifest")
             return None
-        if message.kind not in self.spec.uploads and message.kind not in CONTROL_KINDS:
+        if message.kind not in self.spec.uploads and message.kind not in RUNNER_KINDS:
             self._reject(device, env, f"{self.spec.name} devices upload {' or '.join(self.spec.uploads)}, not {message.kind!r}")
             return None
         problem = self._sanity(message, env)
@@ -246,10 +243,7 @@ class Orchestrator:
                 and message.message_id != st.accepted_ids.get(device):
             self._reject(device, env, f"one accepted update per device per round: {device} already has one in round {current}")
             return
-        if message.kind == "status" and not message.tensors:
-            receipt_status, reason = self._status_report(message)
-        else:
-            receipt_status, reason = self._server_receipt(device, message)
+        receipt_status, reason = self._server_receipt(device, message)
         if receipt_status == "rejected":
             self._reject(device, env, reason)
             return
@@ -267,7 +261,7 @@ class Orchestrator:
             st.receipts[device] = receipt_status if not reason else f"{receipt_status}: {reason}"
             if receipt_status == "accepted":
                 st.accepted_ids[device] = message.message_id
-            if message.kind in CONTROL_KINDS:
+            if not message.tensors:  # a report with nothing to share (local-only's status) is control traffic
                 st.bytes_control += size
             else:
                 st.bytes_up[device] = st.bytes_up.get(device, 0) + len(env.body)
@@ -276,13 +270,6 @@ class Orchestrator:
             if "work_s" in facts:
                 st.work_s[device] = facts["work_s"]
             self.on_event("upload", {"device": device, "round": current, "status": receipt_status})
-
-    def _status_report(self, message: Message) -> tuple[str, str]:
-        """A report of training with nothing to share: the server half does not see it unless
-        the method uploads status reports (local-only)."""
-        if "status" in self.spec.uploads:
-            return self._server_receipt(message.sender, message)
-        return "rejected", f"{self.spec.name} devices upload {' or '.join(self.spec.uploads)}, not an empty status report"
 
     def _server_receipt(self, device: str, message: Message) -> tuple[str, str]:
         try:

@@ -23,20 +23,20 @@ from typing import Any
 
 from rich.console import Console
 
-from edgefl.build import build_run, load_run_dataset
+from edgefl.build import build_run, federation_name
 from edgefl.config import RunConfig
 from edgefl.rundir import RunDir
 from edgefl.transport.topics import Topics, device_ids
 
 
 def federation(cfg: RunConfig) -> str:
-    return cfg.network.federation or cfg.name
+    """The federation both sides of a fleet use (the simulation names the same)."""
+    return federation_name(cfg)
 
 
 def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | None = None,
                username: str | None = None, password: str | None = None, ca_file: str | None = None) -> dict[int, dict[str, Any]]:
     """Serve one device until the server's run is done."""
-    from edgefl.build import RunParts, device_slots, test_subset
     from edgefl.device import DeviceLoop
     from edgefl.transport.mqtt import MqttDeviceTransport
 
@@ -44,16 +44,14 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
         import torch
 
         torch.set_num_threads(cfg.threads)
-    ds = load_run_dataset(cfg)
-    x_test, y_test = test_subset(cfg, ds)
-    parts = RunParts(cfg, ds, device_slots(cfg, ds), x_test, y_test)
+    parts = build_run(cfg, check=False)  # the server checks that every model takes its input
     client = parts.client(device_id)  # a ConfigError naming the fleet's ids for a stranger
     topics = Topics(federation(cfg))
     transport = MqttDeviceTransport.connect(broker, topics, device_id, max_packet_bytes=_packet_limit(cfg),
                                             keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
                                             username=username, password=password, ca_file=ca_file)
     try:
-        loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size)
+        loop = DeviceLoop(client, transport, topics.federation, cfg.network, parts.x_test, parts.y_test, cfg.eval.batch_size)
         return loop.run(timeout_s)
     finally:
         transport.close()
@@ -162,9 +160,8 @@ def _packet_limit(cfg: RunConfig) -> int:
 
 
 def _fed_name(cfg: RunConfig) -> str:
-    import re
+    """A fresh federation per local fleet, so a retained announcement of an earlier run is never read."""
     import uuid
 
-    base = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.name)[:40]
-    return f"{base}-{uuid.uuid4().hex[:8]}"
+    return f"{federation_name(cfg)[:40]}-{uuid.uuid4().hex[:8]}"
 

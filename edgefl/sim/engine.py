@@ -16,23 +16,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgefl.algorithms import ClientHalf
-from edgefl.build import DeviceSlot, build_client, build_run
+from edgefl.build import DeviceSlot, build_client, build_run, federation_name
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.report import human_bytes
 from edgefl.rundir import RunDir
-from edgefl.server.orchestrator import select_devices
 from edgefl.server.session import RunSession, model_meta, safe_name
 from edgefl.sim.network import InMemoryNetwork
-
-
-def federation_name(cfg: RunConfig) -> str:
-    """The federation the envelopes name (a topic level in a fleet: 1-64 safe characters)."""
-    if cfg.network.federation:
-        return cfg.network.federation
-    safe = "".join(ch if ch.isalnum() or ch in "_.-" else "-" for ch in cfg.name)[:64]
-    return safe or "run"
 
 
 class Simulation:
@@ -67,8 +58,9 @@ class Simulation:
             loop = DeviceLoop(self.clients[s.client_id], self.network.endpoint(s.client_id), federation, cfg.network,
                               self.x_test, self.y_test, cfg.eval.batch_size)
             self.network.attach(loop)
+        self._events: Callable[[str, dict[str, Any]], None] = lambda kind, info: None
         self.session = RunSession(self.parts, self.network, federation, runner="simulation", run_dir=run_dir,
-                                  deadline_s=cfg.clock.deadline_s)
+                                  deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info))
         self.server = self.session.server
         self._joined = False
 
@@ -78,7 +70,8 @@ class Simulation:
 
     def _join(self) -> None:
         if not self._joined:
-            self.session.orchestrator.wait_for_devices(0.0)
+            # every in-memory device says "online" at virtual time 0: this returns at once
+            self.session.orchestrator.wait_for_devices(self.cfg.clock.deadline_s)
             self._joined = True
 
     def run_round(self, r: int, advance: Callable[[], None] = lambda: None) -> dict[str, Any]:
@@ -101,21 +94,30 @@ class Simulation:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=self.console, transient=True, disable=not self.show_progress,
         )
-        with progress:
-            rounds_task = progress.add_task("rounds", total=cfg.rounds)
-            for r in range(1, cfg.rounds + 1):
-                n_sel = len(select_devices(cfg, list(self.clients), r))
-                clients_task = progress.add_task(f"round {r}: clients", total=n_sel)
-                record = self.run_round(r, advance=lambda task=clients_task: progress.advance(task))
-                self.session.after_round(record)
-                progress.remove_task(clients_task)
+        rounds_task = progress.add_task("rounds", total=cfg.rounds)
+
+        def on_event(kind: str, info: dict[str, Any]) -> None:  # a bar per round, advanced by each device's training
+            if kind == "round":
+                task = progress.add_task(f"round {info['round']}: clients", total=len(info["selected"]))
+                self._advance = lambda: progress.advance(task)
+            elif kind == "closed":
+                for task in [t.id for t in progress.tasks if t.id != rounds_task]:
+                    progress.remove_task(task)
                 progress.advance(rounds_task)
-                if self.show_progress:
-                    self.console.print(round_line(record, cfg.rounds))
-                if self.on_round:
-                    self.on_round(record)
-        self.session.orchestrator.announce(cfg.rounds, {"done": True, "rounds": cfg.rounds})
-        summary = self.session.finish()
+                self._advance = lambda: None
+
+        def on_record(record: dict[str, Any]) -> None:
+            if self.show_progress:
+                self.console.print(round_line(record, cfg.rounds))
+            if self.on_round:
+                self.on_round(record)
+
+        self._events = on_event
+        try:
+            with progress:
+                summary = self.session.run(on_record=on_record)
+        finally:
+            self._events = lambda kind, info: None
         if self.run_dir and not self.server.global_models():
             self._save_client_models()
         return summary

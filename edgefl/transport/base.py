@@ -39,7 +39,23 @@ class Delivery:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-class ServerTransport(ABC):
+class _Endpoint(ABC):
+    """What both sides have: deliveries to receive, a clock, a connection to release."""
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> Delivery | None:
+        """The next delivery, waiting at most ``timeout_s``; None when nothing came (the server
+        receives uploads and presence, a device the server's messages and announcements)."""
+
+    def now(self) -> float:
+        """Seconds on this transport's clock (monotonic)."""
+        return time.monotonic()
+
+    def close(self) -> None:  # noqa: B027  (optional: an in-memory transport holds nothing)
+        """Release the connection."""
+
+
+class ServerTransport(_Endpoint):
     """The server's side: one endpoint, every device of the federation behind it."""
 
     #: whether :meth:`now` is a simulated clock (the simulation) rather than the wall clock
@@ -53,14 +69,6 @@ class ServerTransport(ABC):
     def announce(self, data: bytes) -> None:
         """Tell every device, including ones that join later (MQTT: a retained message)."""
 
-    @abstractmethod
-    def receive(self, timeout_s: float) -> Delivery | None:
-        """The next delivery, waiting at most ``timeout_s``; None when nothing came."""
-
-    def now(self) -> float:
-        """Seconds on this transport's clock (monotonic)."""
-        return time.monotonic()
-
     @property
     def connects(self) -> int:
         """How often this side has (re)connected: after a reconnect, presence is unknown again."""
@@ -71,23 +79,10 @@ class ServerTransport(ABC):
         network can know this; a real one returns nothing."""
         return {}
 
-    def close(self) -> None:  # noqa: B027  (optional: an in-memory transport holds nothing)
-        """Release the connection."""
 
-
-class DeviceTransport(ABC):
+class DeviceTransport(_Endpoint):
     """A device's side: it talks to the server only."""
 
     @abstractmethod
     def send(self, data: bytes) -> None:
         """Queue ``data`` for the server."""
-
-    @abstractmethod
-    def receive(self, timeout_s: float) -> Delivery | None:
-        """The next delivery from the server (a message or an announcement)."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def close(self) -> None:  # noqa: B027  (optional: an in-memory transport holds nothing)
-        """Release the connection."""

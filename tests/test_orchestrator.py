@@ -1,0 +1,77 @@
+"""The round loop without a broker: the in-memory network is a transport like MQTT's, so the
+orchestrator's refusals can be tested by handing it envelopes directly."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgefl.config import validate_config
+from edgefl.messages import Message, encode
+from edgefl.sim import Simulation
+from edgefl.transport.base import Delivery
+from edgefl.transport.envelope import Envelope, pack, tensor_manifest
+from tests.conftest import digits_config
+
+
+@pytest.fixture
+def fedavg() -> Simulation:
+    sim = Simulation(validate_config(digits_config("fedavg", rounds=2)), show_progress=False)
+    sim.run_round(1)
+    return sim
+
+
+def _send(sim: Simulation, message: Message) -> str:
+    """Hand ``message`` to the round loop as client-0's upload; the reason of its refusal."""
+    orchestrator = sim.session.orchestrator
+    env = Envelope("upload", orchestrator.federation, message.round, message.sender, encode(message), message.message_id,
+                   model_version=message.round, codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)})
+    before = len(orchestrator.rejections)
+    orchestrator.handle(Delivery("message", message.sender, pack(env)))
+    return orchestrator.rejections[-1][1] if len(orchestrator.rejections) > before else ""
+
+
+def test_a_kind_the_method_does_not_upload_is_refused_with_the_kinds_it_does(fedavg):
+    reason = _send(fedavg, Message("class_logits", 1, "client-0", {}, {"num_samples": 5}))
+    assert reason == "fedavg devices upload weights, not 'class_logits'"
+    reason = _send(fedavg, Message("status", 1, "client-0", {}, {"num_samples": 5}))
+    assert reason == "fedavg devices upload weights, not 'status'"
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, "0.9", True])
+def test_device_reported_accuracy_must_be_a_number_in_0_1(fedavg, bad):
+    reason = _send(fedavg, Message("weights", 1, "client-0", {}, {"num_samples": 5, "eval_accuracy": bad}))
+    assert reason.startswith("eval_accuracy must be a number in [0, 1]")
+
+
+def test_a_non_finite_train_loss_is_refused(fedavg):
+    reason = _send(fedavg, Message("weights", 1, "client-0", {}, {"num_samples": 5, "train_loss": float("nan")}))
+    assert reason.startswith("train_loss must be a finite number")
+
+
+def test_an_evaluation_nobody_asked_for_is_answered_late_and_not_used(fedavg):
+    orchestrator = fedavg.session.orchestrator
+    assert _send(fedavg, Message("evaluation", 1, "client-0", {}, {"num_samples": 5, "eval_accuracy": 0.5})) == ""
+    assert orchestrator.evaluator.device_accuracy == {}
+
+
+def test_a_message_from_a_device_outside_the_fleet_is_refused(fedavg):
+    orchestrator = fedavg.session.orchestrator
+    orchestrator.handle(Delivery("message", "client-99", b"anything"))
+    assert "unknown device" in orchestrator.rejections[-1][1]
+
+
+def test_local_only_devices_report_without_sharing_anything():
+    sim = Simulation(validate_config(digits_config("local", rounds=1)), show_progress=False)
+    record = sim.run_round(1)
+    assert record["outcome"] == "complete" and record["bytes_up"] == 0 and record["bytes_control"] > 0
+    assert set(record["accuracy"]["per_client"]) == {"client-0", "client-1", "client-2", "client-3"}
+
+
+def test_simulation_server_and_devices_name_the_same_federation_for_any_run_name():
+    from edgefl.build import federation_name
+    from edgefl.fleet.launcher import federation
+    from edgefl.transport.topics import Topics
+
+    cfg = validate_config({**digits_config("fedavg"), "name": "my run #1 " + "x" * 80})
+    assert federation(cfg) == federation_name(cfg) == "my-run--1-" + "x" * 54
+    Topics(federation(cfg))  # a valid topic level (a raw run name with spaces was a ValueError)
