@@ -59,7 +59,6 @@ class RoundState:
     selected: list[str]
     started: float  # transport clock
     deadline: float  # transport clock
-    evaluate: bool = False
     reported: dict[str, str] = field(default_factory=dict)  # device -> receipt status
     receipts: dict[str, str] = field(default_factory=dict)  # device -> "status[: reason]"
     rejected: dict[str, list[str]] = field(default_factory=dict)
@@ -104,7 +103,7 @@ class Orchestrator:
         self.last_round = 0  # the last round closed (restored on resume)
         self._connects_seen = transport.connects if transport is not None else 0
         self._evaluation: dict[str, float] | None = None  # answers to evaluate requests, while collected
-        self._evaluation_ids: dict[str, str] = {}  # device -> id of the evaluate request it answers
+        self._asked: set[str] = set()  # devices sent an evaluate request that is being collected
 
     def connect(self, transport: ServerTransport) -> None:
         """Run over ``transport`` (a server that restores its state first connects afterwards)."""
@@ -363,7 +362,7 @@ class Orchestrator:
         self.server.begin_round(r)
         now = self.transport.now()
         evaluate = self.is_eval_round(r)
-        st = self.state = RoundState(r, selected, now, now + self.deadline_s, evaluate)
+        st = self.state = RoundState(r, selected, now, now + self.deadline_s)
         self.announce(r, {"selected": selected, "deadline_unix": time.time() + self.deadline_s, "rounds": self.cfg.rounds,
                           "done": False})
         # devices judge their own models only when no global model will judge them
@@ -444,13 +443,11 @@ class Orchestrator:
 
     def _ask_devices(self, r: int, targets: list[str]) -> dict[str, float]:
         self._evaluation = {}
-        self._evaluation_ids = {}
+        self._asked = set(targets)
         for device in targets:
             down = self.server.downlink(r + 1, device)
             body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
-            env = Envelope("evaluate", self.federation, r, "server", body, model_version=r, codec=codec)
-            self._evaluation_ids[device] = env.message_id
-            self._send(device, env)
+            self._send(device, Envelope("evaluate", self.federation, r, "server", body, model_version=r, codec=codec))
         deadline = self.transport.now() + self.deadline_s
         while set(self._evaluation) < set(targets) and self.transport.now() < deadline:
             self._pump(min(deadline - self.transport.now(), 1.0))
@@ -458,7 +455,7 @@ class Orchestrator:
         return answers
 
     def _evaluation_answer(self, device: str, env: Envelope, message: Message) -> None:
-        if self._evaluation is None or device not in self._evaluation_ids:
+        if self._evaluation is None or device not in self._asked:
             self._reply(device, env, "ack", status="late", reason="no evaluation is being collected; not used")
             return
         accuracy = message.meta.get("eval_accuracy")

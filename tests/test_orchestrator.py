@@ -75,3 +75,34 @@ def test_simulation_server_and_devices_name_the_same_federation_for_any_run_name
     cfg = validate_config({**digits_config("fedavg"), "name": "my run #1 " + "x" * 80})
     assert federation(cfg) == federation_name(cfg) == "my-run--1-" + "x" * 54
     Topics(federation(cfg))  # a valid topic level (a raw run name with spaces was a ValueError)
+
+
+def test_a_device_loop_ignores_what_it_cannot_read(fedavg):
+    loop = fedavg.network.loops["client-0"]
+    for junk in (b"", b"JUNK" * 10, pack(Envelope("download", "elsewhere", 1, "client-3", b"x"))):
+        loop.handle(Delivery("message", "server", junk))  # logged, never raised
+    assert loop.pending == {} and not loop.finished
+
+
+def test_a_method_name_is_registered_once():
+    from edgefl.methods import METHODS, register_method
+
+    spec = METHODS["fedavg"]
+    assert register_method(spec) is spec  # the same spec again is harmless
+    with pytest.raises(ValueError, match="already registered"):
+        register_method(type(spec)(**{**spec.__dict__, "description": "another"}))
+
+
+def test_resume_refuses_the_state_of_another_config_before_connecting(tmp_path):
+    from edgefl.errors import ConfigError
+    from edgefl.fleet.launcher import serve
+    from edgefl.rundir import RunDir
+    from edgefl.server.session import STATE_FILE, config_digest
+    from edgefl.server.state import save_state
+
+    first = validate_config(digits_config("fedavg", rounds=2))
+    sim = Simulation(first, show_progress=False)
+    save_state(sim.server, tmp_path / STATE_FILE, {"round": 1, "config_sha256": config_digest(first)})
+    other = validate_config({**digits_config("fedavg", rounds=2), "seed": 5})
+    with pytest.raises(ConfigError, match="belongs to another config"):
+        serve(other, "mqtt://127.0.0.1:9", RunDir(tmp_path), resume=True)  # port 9: nothing listens, nothing is tried
