@@ -49,9 +49,12 @@ def test_a_non_finite_train_loss_is_refused(fedavg):
 
 
 def test_an_evaluation_nobody_asked_for_is_answered_late_and_not_used(fedavg):
-    orchestrator = fedavg.session.orchestrator
+    from edgefl.transport.envelope import unpack
+
     assert _send(fedavg, Message("evaluation", 1, "client-0", {}, {"num_samples": 5, "eval_accuracy": 0.5})) == ""
-    assert orchestrator.evaluator.device_accuracy == {}
+    reply = unpack(fedavg.network._inbox["client-0"][-1].payload, 1 << 20)  # queued for the device, not yet read
+    assert (reply.type, reply.extra["status"]) == ("ack", "late")
+    assert "no evaluation is being collected" in reply.extra["reason"]
 
 
 def test_a_message_from_a_device_outside_the_fleet_is_refused(fedavg):
