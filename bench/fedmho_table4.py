@@ -43,7 +43,7 @@ from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import validate_config
 from edgefl.messages import decode, encode
 from edgefl.sim import Simulation
-from edgefl.build import build_server
+from edgefl.server.session import build_server
 
 PAPER = {  # Table IV (Fashion) and Table VI (no filtering, Dir 0.5)
     0.5: {"FedAvg": 60.24, "FedCVAE-Ens": 69.11, "FedMHO": 75.30, "FedMHO-MD": 77.27, "FedMHO-SD": 77.73,

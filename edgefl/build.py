@@ -1,5 +1,6 @@
-"""Building a run from its config: the data, the devices (partition, architecture, feature space,
-client halves) and the server half.
+"""Building a run from its config: the data and the devices (partition, architecture, feature
+space, client halves). The server half is built from these by
+:func:`edgefl.server.session.build_server` (a device never imports server code).
 
 The one module both runners build from: the simulation and ``edgefl server`` call
 :func:`build_run`, a device process calls :func:`build_device`, so a device built in a
@@ -195,24 +196,6 @@ def build_client(cfg: RunConfig, ds: Dataset, slot: DeviceSlot) -> ClientHalf:
     return method.client_class()(setup, method.parse_options(cfg.method.options()))
 
 
-def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
-    from edgefl.server.methods import ClientInfo
-
-    method = get_method(cfg.method.name)
-    counts = class_counts(ds.y_train.numpy(), [s.sample_indices for s in slots], ds.num_classes)
-    infos = [
-        ClientInfo(s.client_id, s.arch, s.model, dict(s.model_options), int(len(s.sample_indices)),
-                   tuple(counts[k].tolist()), tuple(s.input_shape(ds)))
-        for k, s in enumerate(slots)
-    ]
-    if method.one_shot and cfg.rounds != 1:
-        raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round (rounds = {cfg.rounds})", hint="set rounds = 1")
-    return method.server_class()(
-        infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape,
-        dataset=ds.name,
-    )
-
-
 def test_subset(cfg: RunConfig, ds: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared evaluation set: the whole test split, or a fixed subset (the same for every run seed)."""
     n = cfg.data.test_samples
@@ -246,9 +229,6 @@ class RunParts:
 
     def client(self, device_id: str) -> ClientHalf:
         return build_client(self.cfg, self.ds, self.slot(device_id))
-
-    def server(self):
-        return build_server(self.cfg, self.ds, self.slots)
 
 
 def federation_name(cfg: RunConfig) -> str:

@@ -13,15 +13,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from edgefl.build import RunParts, partition_record
+from edgefl.build import DeviceSlot, RunParts, partition_record
 from edgefl.config import RunConfig
-from edgefl.data import Dataset
+from edgefl.data import Dataset, class_counts
 from edgefl.environment import machine, package_versions
 from edgefl.errors import ConfigError
 from edgefl.methods import get_method
 from edgefl.models import get_spec
 from edgefl.rundir import RunDir
 from edgefl.server.evaluation import Evaluator
+from edgefl.server.methods import ClientInfo
 from edgefl.server.orchestrator import EventSink, Orchestrator
 from edgefl.server.state import load_state, save_state
 from edgefl.transport.base import ServerTransport
@@ -42,7 +43,7 @@ class RunSession:
         cfg = parts.cfg
         self.cfg, self.parts, self.run_dir = cfg, parts, run_dir
         self.spec = get_method(cfg.method.name)
-        self.server = parts.server()
+        self.server = build_server(cfg, parts.ds, parts.slots)
         self.save_state_each_round = save_state_each_round
         archs = {s.client_id: s.arch for s in parts.slots}
         judged = {s.client_id for s in parts.slots if get_spec(s.model).kind == "classifier"}
@@ -139,6 +140,23 @@ class RunSession:
             save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
             self.run_dir.write_json("summary.json", summary)
         return summary
+
+
+def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
+    """The method's server half for these devices (what it knows of each: architecture, data sizes)."""
+    method = get_method(cfg.method.name)
+    counts = class_counts(ds.y_train.numpy(), [s.sample_indices for s in slots], ds.num_classes)
+    infos = [
+        ClientInfo(s.client_id, s.arch, s.model, dict(s.model_options), int(len(s.sample_indices)),
+                   tuple(counts[k].tolist()), tuple(s.input_shape(ds)))
+        for k, s in enumerate(slots)
+    ]
+    if method.one_shot and cfg.rounds != 1:
+        raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round (rounds = {cfg.rounds})", hint="set rounds = 1")
+    return method.server_class()(
+        infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape,
+        dataset=ds.name,
+    )
 
 
 def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:

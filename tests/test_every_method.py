@@ -61,13 +61,14 @@ def test_a_method_runs_the_same_in_simulation_and_as_a_fleet(method, tmp_path):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_server_half_saves_and_restores(method, tmp_path):
+    from edgefl.server.session import build_server
     from edgefl.server.state import load_state, save_state
     from edgefl.sim import Simulation
 
     sim = Simulation(_config(method), show_progress=False)
     sim.run_round(1)
     path = save_state(sim.server, tmp_path / "state.safetensors", {"round": 1})
-    fresh = sim.parts.server()
+    fresh = build_server(sim.cfg, sim.ds, sim.slots)
     assert load_state(fresh, path) == {"round": 1}
     for cid in sim.clients:
         a, b = sim.server.downlink(2, cid), fresh.downlink(2, cid)
