@@ -24,4 +24,11 @@ class DataError(EdgeflError):
 
 
 class PayloadError(EdgeflError):
-    """A message that cannot be decoded safely (bad header, size, dtype...)."""
+    """A message that cannot be decoded safely (bad header, size, dtype...).
+
+    ``message_id``: the id of the envelope whose header parsed before the problem showed (a bad
+    body length or SHA-256), so a refusal can still answer it; None when even the header failed."""
+
+    def __init__(self, message: str, hint: str | None = None, message_id: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.message_id = message_id

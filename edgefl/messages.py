@@ -17,6 +17,7 @@ before it allocates anything.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from edgefl.errors import PayloadError
+from edgefl.safejson import loads
 
 #: Format tag stored in the metadata so foreign safetensors files are not mistaken for messages.
 FORMAT = "edgefl-message/1"
@@ -40,6 +42,9 @@ SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float3
                       torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
                       torch.bool: "BOOL"}
 ALLOWED_DTYPES = set(SAFETENSORS_DTYPES.values())
+DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+MAX_TENSORS = 4096  # the deepest zoo model has a few hundred; a header naming more is hostile
+MAX_RANK = 8
 
 #: every message kind in use: kind -> its tensors (docs/PROTOCOL.md gives their dtypes and shapes)
 MESSAGE_KINDS: dict[str, str] = {
@@ -97,23 +102,33 @@ def _read_header(data: bytes) -> dict[str, Any]:
         raise PayloadError(f"message header claims {header_len} bytes (limit {MAX_HEADER_BYTES})")
     if 8 + header_len > len(data):
         raise PayloadError(f"message truncated: header needs {header_len} bytes, {len(data) - 8} present")
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PayloadError(f"message header is not JSON: {exc}") from None
+    header = loads(bytes(data[8 : 8 + header_len]), "message header")
     if not isinstance(header, dict):
         raise PayloadError("message header is not a JSON object")
+    if len(header) > MAX_TENSORS + 1:
+        raise PayloadError(f"message holds {len(header) - 1} tensors (at most {MAX_TENSORS})")
     body_len = len(data) - 8 - header_len
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise PayloadError("safetensors __metadata__ must map names to strings")
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(info, dict) or "dtype" not in info or "data_offsets" not in info:
-            raise PayloadError(f"tensor {name!r}: malformed header entry")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise PayloadError(f"tensor {name[:64]!r}: a header entry is {{dtype, shape, data_offsets}}")
         if info["dtype"] not in ALLOWED_DTYPES:
-            raise PayloadError(f"tensor {name!r}: dtype {info['dtype']} not allowed")
-        start, end = info["data_offsets"]
+            raise PayloadError(f"tensor {name[:64]!r}: dtype {str(info['dtype'])[:16]} not allowed")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(type(d) is int and d >= 0 for d in shape)):
+            raise PayloadError(f"tensor {name[:64]!r}: shape must be a list of at most {MAX_RANK} non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise PayloadError(f"tensor {name[:64]!r}: data_offsets must be [start, end] integers")
+        start, end = offsets
         if not (0 <= start <= end <= body_len):
-            raise PayloadError(f"tensor {name!r}: offsets {start}..{end} outside the {body_len}-byte body")
+            raise PayloadError(f"tensor {name[:64]!r}: offsets {start}..{end} outside the {body_len}-byte body")
+        if math.prod(shape) * DTYPE_BYTES[info["dtype"]] != end - start:
+            raise PayloadError(f"tensor {name[:64]!r}: shape {shape} and dtype {info['dtype']} need "
+                               f"{math.prod(shape) * DTYPE_BYTES[info['dtype']]} bytes, its offsets give {end - start}")
     return header
 
 
@@ -125,10 +140,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
     raw_meta = (header.get("__metadata__") or {}).get("edgefl")
     if raw_meta is None:
         raise PayloadError("not an edgefl message: safetensors metadata has no 'edgefl' entry")
-    try:
-        fields = json.loads(raw_meta)
-    except json.JSONDecodeError as exc:
-        raise PayloadError(f"message fields are not JSON: {exc}") from None
+    fields = loads(raw_meta, "message fields")
     if not isinstance(fields, dict) or fields.get("format") != FORMAT:
         raise PayloadError(f"unsupported message format {fields.get('format') if isinstance(fields, dict) else fields!r}")
     for key, typ in (("kind", str), ("round", int), ("sender", str), ("message_id", str), ("meta", dict)):

@@ -95,14 +95,31 @@ def test_chunks_survive_duplicates_and_any_order_and_report_what_is_missing():
     assert r.add(chunks[0]) is None  # a late duplicate after completion starts nothing
 
 
-def test_small_messages_travel_whole_and_stale_partials_are_collected():
+def test_a_stale_partial_is_kept_until_the_resent_chunks_complete_it():
+    """PROTOCOL.md section 5: the stale nack lists the missing chunks; resending exactly those
+    completes the upload (the partial is kept), however long the device waited."""
     assert len(split(envelope(b"a" * 1000))) == 1
-    pieces = [unpack(p, LIMIT) for p in split(envelope(b"b" * (3 << 20)), chunk_bytes=1 << 20)]
+    env = envelope(b"b" * (3 << 20))
+    pieces = [unpack(p, LIMIT) for p in split(env, chunk_bytes=1 << 20)]
     r = Reassembler(LIMIT, stale_s=5)
     r.add(pieces[0])
-    dropped = r.collect_stale(now=time.monotonic() + 10)
-    assert dropped and dropped[0][2] == [1, 2, 3]
+    r.add(pieces[2])
+    reports = r.collect_stale(now=time.monotonic() + 10)
+    assert reports == [("client-0", env.message_id, [1, 3], False)]
+    assert r.add(pieces[1]) is None and r.add(pieces[3]) is not None
+
+
+def test_a_partial_that_never_progresses_is_dropped_and_every_chunk_asked_for():
+    env = envelope(b"b" * (3 << 20))
+    pieces = [unpack(p, LIMIT) for p in split(env, chunk_bytes=1 << 20)]
+    r = Reassembler(LIMIT, stale_s=5)
+    r.add(pieces[0])
+    now = time.monotonic()
+    for strike in range(1, 4):
+        assert r.collect_stale(now=now + 10 * strike)[0][2:] == ([1, 2, 3], False)
+    assert r.collect_stale(now=now + 40) == [("client-0", env.message_id, [0, 1, 2, 3], True)]
     assert r.partial == {}
+    assert all(r.add(p) is None for p in pieces[:3]) and r.add(pieces[3]) is not None
 
 
 def test_chunk_lies_are_caught():

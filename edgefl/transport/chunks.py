@@ -1,9 +1,12 @@
 """Chunked transfers: a large packed envelope travels as ``chunk`` envelopes and is rebuilt.
 
 The chunks carry slices of the *packed* inner envelope, so the rebuilt bytes go through the same
-checks as a message that travelled whole. Duplicates and out-of-order chunks are harmless; a
-partial upload that stops receiving chunks is dropped after ``stale_s``; memory is bounded by a
-cap on the whole body and on partial uploads per sender.
+checks as a message that travelled whole. Duplicates and out-of-order chunks are harmless. A
+partial upload that stops receiving chunks for ``stale_s`` is *kept* and reported with its
+missing chunks (the server nacks them, the device resends exactly those); after
+:data:`STALE_STRIKES` such reports without progress it is dropped and reported as missing every
+chunk, so "resend what the nack lists" always completes an upload (docs/PROTOCOL.md section 5).
+Memory is bounded by a cap on the whole body and on partial uploads per sender.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from edgefl.transport.envelope import Envelope, new_id, pack
 
 CHUNK_THRESHOLD = 512 << 10  # bodies above this travel in chunks
 CHUNK_BYTES = 1 << 20  # measured on loopback: 1 MiB chunks move 50 MB fastest (docs/PROTOCOL.md)
+STALE_STRIKES = 3  # stale reports without progress before a partial upload is dropped
+MAX_MISSING = 1000  # chunk numbers named in one report (a nack's header stays far below 64 KiB)
 
 
 def split(env: Envelope, chunk_bytes: int = CHUNK_BYTES, threshold: int = CHUNK_THRESHOLD) -> list[bytes]:
@@ -43,6 +48,11 @@ class _Partial:
     total_sha256: str
     pieces: dict[int, bytes] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
+    strikes: int = 0  # stale reports since the last new chunk
+    size: int = 0  # bytes held
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.count) if i not in self.pieces][:MAX_MISSING]
 
 
 class Reassembler:
@@ -71,9 +81,12 @@ class Reassembler:
             part = self.partial[key] = _Partial(c["count"], c["total_length"], c["total_sha256"])
         elif (part.count, part.total_length, part.total_sha256) != (c["count"], c["total_length"], c["total_sha256"]):
             raise PayloadError(f"chunk {c['seq']} of upload {c['upload_id']} disagrees with its earlier chunks")
-        part.pieces.setdefault(c["seq"], chunk.body)  # a duplicate keeps the first copy
+        if c["seq"] not in part.pieces:  # a duplicate keeps the first copy
+            part.pieces[c["seq"]] = chunk.body
+            part.size += len(chunk.body)
+            part.strikes = 0
         part.touched = time.monotonic()
-        if sum(len(p) for p in part.pieces.values()) > part.total_length:
+        if part.size > part.total_length:
             del self.partial[key]
             raise PayloadError(f"upload {c['upload_id']}: chunks add up to more than its {part.total_length} bytes")
         if len(part.pieces) < part.count:
@@ -87,14 +100,28 @@ class Reassembler:
 
     def missing(self, sender: str, upload_id: str) -> list[int]:
         part = self.partial.get((sender, upload_id))
-        return [] if part is None else [i for i in range(part.count) if i not in part.pieces]
+        return [] if part is None else part.missing()
 
-    def collect_stale(self, now: float | None = None) -> list[tuple[str, str, list[int]]]:
-        """Drop partial uploads idle for ``stale_s``; returns (sender, upload id, missing chunks)."""
+    def collect_stale(self, now: float | None = None) -> list[tuple[str, str, list[int], bool]]:
+        """Partial uploads idle for ``stale_s``: (sender, upload id, chunks to resend, dropped).
+        A partial is kept (and reported again after another ``stale_s``) until it has been
+        reported :data:`STALE_STRIKES` times without a new chunk; then it is dropped and every
+        chunk is to be resent."""
         now = time.monotonic() if now is None else now
-        dropped = []
+        out = []
         for key, part in list(self.partial.items()):
-            if now - part.touched > self.stale_s:
-                dropped.append((key[0], key[1], [i for i in range(part.count) if i not in part.pieces]))
+            if now - part.touched <= self.stale_s:
+                continue
+            part.strikes += 1
+            part.touched = now
+            if part.strikes > STALE_STRIKES:
                 del self.partial[key]
-        return dropped
+                out.append((key[0], key[1], list(range(min(part.count, MAX_MISSING))), True))
+            else:
+                out.append((key[0], key[1], part.missing(), False))
+        return out
+
+    def forget(self, sender: str) -> None:
+        """Drop a sender's partial uploads (a device the server no longer waits for)."""
+        for key in [k for k in self.partial if k[0] == sender]:
+            del self.partial[key]

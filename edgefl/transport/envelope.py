@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgefl.errors import PayloadError
+from edgefl.safejson import loads
 
 MAGIC = b"EDFL"
 VERSION = 1
@@ -53,6 +54,7 @@ HEADER_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "info": (dict, False),  # round announcements and presence: small JSON facts
 }
 MAX_ID_CHARS = 64
+MIN_CHUNK_BYTES = 4096  # so a chunk count is bounded by the declared length (and a nack's missing list with it)
 
 
 def new_id() -> str:
@@ -108,24 +110,32 @@ def unpack(data: bytes, max_bytes: int) -> Envelope:
         raise PayloadError(f"bad magic {magic!r} (not an edgefl envelope)")
     if version != VERSION:
         raise PayloadError(f"envelope version {version} not supported (this side speaks {VERSION})")
-    if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > len(data):
+    if header_len > MAX_HEADER_BYTES:
+        raise PayloadError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte cap")
+    if PREFIX.size + header_len > len(data):
         raise PayloadError(f"truncated or corrupt: header length {header_len} does not fit the {len(data)}-byte message")
-    try:
-        header = json.loads(data[PREFIX.size : PREFIX.size + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PayloadError(f"header is not JSON: {exc}") from None
+    header = loads(bytes(data[PREFIX.size : PREFIX.size + header_len]), "header")
     problem = header_problem(header)
     if problem:
         raise PayloadError(problem)
     body = data[PREFIX.size + header_len :]
     if len(body) != header["body"]["length"]:
-        raise PayloadError(f"body is {len(body)} bytes, the header says {header['body']['length']}")
+        raise PayloadError(f"body is {len(body)} bytes, the header says {header['body']['length']}",
+                           message_id=answerable_id(header))
     if hashlib.sha256(body).hexdigest() != header["body"]["sha256"]:
-        raise PayloadError("body SHA-256 does not match the header")
+        raise PayloadError("body SHA-256 does not match the header", message_id=answerable_id(header))
     extra = {k: header[k] for k in header if k not in ("type", "federation", "round", "sender", "message_id",
                                                          "reply_to", "model_version", "codec", "body")}
     return Envelope(header["type"], header["federation"], header["round"], header["sender"], bytes(body),
                     header["message_id"], header["reply_to"], header["model_version"], header["codec"], extra)
+
+
+def answerable_id(header: dict[str, Any]) -> str:
+    """The id a refusal of this (parsed, checked) envelope answers: a chunk's upload id, since the
+    device tracks the upload, not its chunks (docs/PROTOCOL.md section 5)."""
+    if header["type"] == "chunk":
+        return header["chunk"]["upload_id"]
+    return header["message_id"]
 
 
 def header_problem(header: Any) -> str | None:
@@ -150,11 +160,12 @@ def header_problem(header: Any) -> str | None:
         if not (0 < len(header[name]) <= MAX_ID_CHARS):
             return f"header field {name!r} must be 1-{MAX_ID_CHARS} characters"
     body = header["body"]
-    if not (isinstance(body.get("length"), int) and body["length"] >= 0 and isinstance(body.get("sha256"), str)
-            and len(body["sha256"]) == 64):
+    if not (set(body) == {"length", "sha256"} and isinstance(body["length"], int) and not isinstance(body["length"], bool)
+            and body["length"] >= 0 and isinstance(body["sha256"], str) and len(body["sha256"]) == 64
+            and all(ch in "0123456789abcdef" for ch in body["sha256"])):
         return "header field 'body' must be {length: int >= 0, sha256: 64 hex digits}"
-    if header["round"] < 0:
-        return "round must be >= 0"
+    if header["round"] < 0 or header["model_version"] < 0:
+        return "round and model_version must be >= 0"
     if header["type"] == "chunk":
         c = header.get("chunk")
         if not isinstance(c, dict):
@@ -168,4 +179,9 @@ def header_problem(header: Any) -> str | None:
             return "chunk field 'total_sha256' must be 64 hex digits"
         if not (c["count"] >= 1 and c["seq"] < c["count"]):
             return f"chunk {c['seq']} of {c['count']} is out of range"
+        if c["count"] > max(1, -(-c["total_length"] // MIN_CHUNK_BYTES)):
+            return (f"{c['count']} chunks for {c['total_length']} bytes: chunks other than the last carry at least "
+                    f"{MIN_CHUNK_BYTES} bytes")
+        if header["body"]["length"] > c["total_length"]:
+            return "a chunk's body is larger than the whole upload it belongs to"
     return None

@@ -9,9 +9,13 @@ ROOT = "edgefl/v1"
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
+def is_safe_name(value: str) -> bool:
+    return bool(_SAFE.fullmatch(value))
+
+
 def check_name(value: str, what: str) -> str:
     """Federation and device names become topic levels: no wildcards, separators or spaces."""
-    if not _SAFE.match(value):
+    if not _SAFE.fullmatch(value):
         raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'")
     return value
 
