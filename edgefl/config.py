@@ -168,14 +168,23 @@ class NetworkSettings(Strict):
     round_deadline_s: float = Field(120.0, gt=0, description="a round closes at this deadline when not every device reported")
     quorum: float = Field(0.5, gt=0, description="reports needed at the deadline: a fraction (<= 1) of the selected devices or a count (> 1)")
     grace_s: float = Field(0.0, ge=0, description="extend a round that misses its quorum once by this much (0: fail it at once)")
-    chunk_bytes: int = Field(1 << 20, ge=1024, description="bodies above chunk_threshold travel in chunks of this size")
+    chunk_bytes: int = Field(1 << 20, ge=4096, description="bodies above chunk_threshold travel in chunks of this size")
     chunk_threshold: int = Field(512 << 10, ge=1024)
     max_message_bytes: int = Field(256 << 20, ge=1 << 16, description="the largest message (whole upload, before chunking) either side accepts")
     ack_timeout_s: float = Field(10.0, gt=0, description="a device resends an upload not acknowledged within this")
-    stale_upload_s: float = Field(120.0, gt=0, description="a partial chunked upload idle this long is dropped")
+    stale_upload_s: float = Field(120.0, gt=0, description="a partial chunked upload idle this long is nacked with its missing chunks "
+                                  "(dropped after 3 such nacks without progress)")
+    offline_grace_s: float = Field(10.0, ge=0, description="a round closes early once every selected device that has not reported has been offline this long")
     protocol: Literal["5", "3.1.1"] = "5"
     max_abs_value: float = Field(1e6, gt=0, description="uploads holding a larger magnitude are refused (weights, logits, features)")
     keepalive_s: int = Field(30, ge=1, description="MQTT keep-alive: a silent device is declared offline (last will) after 1.5x this")
+
+    @field_validator("quorum")
+    @classmethod
+    def _whole_count(cls, value: float) -> float:
+        if value > 1 and value != int(value):
+            raise ValueError(f"a quorum above 1 is a number of devices, so a whole number (got {value}); a fraction of the selected devices is <= 1")
+        return value
 
     def quorum_count(self, selected: int) -> int:
         if self.quorum <= 1:
@@ -208,6 +217,19 @@ class RunConfig(Strict):
     export: list[Literal["onnx", "tflite", "int8"]] = Field(
         default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
     )
+
+    @model_validator(mode="after")
+    def _quorum_reachable(self) -> RunConfig:
+        q = self.network.quorum
+        selected = max(1, math.ceil(self.fleet.sample_ratio * self.fleet.num_clients - 1e-9))
+        if q > 1 and q > selected:
+            raise ValueError(f"network.quorum = {int(q)} devices, but a round selects only {selected} "
+                             f"({self.fleet.num_clients} devices x sample_ratio {self.fleet.sample_ratio:g}): no round could close")
+        return self
+
+    def max_epochs(self) -> int:
+        """The most local epochs any group trains per round."""
+        return max(self.train_for(g).epochs for g in self.fleet.groups)
 
     def train_for(self, group: GroupSettings) -> TrainSettings:
         if group.train is None:

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from edgefl.config import RunConfig
 from edgefl.errors import PayloadError
@@ -34,12 +33,16 @@ from edgefl.messages import RUNNER_KINDS, Message, decode, encode
 from edgefl.methods import MethodSpec
 from edgefl.seeding import derive_seed
 from edgefl.server.evaluation import Evaluator
+from edgefl.server.rejections import Rejections
+from edgefl.server.upload_checks import upload_problem
 from edgefl.transport.base import Delivery, ServerTransport
 from edgefl.transport.chunks import Reassembler, split
-from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
+from edgefl.transport.envelope import Envelope, answerable_id, pack, tensor_manifest, unpack
+from edgefl.transport.topics import is_safe_name
 
 log = logging.getLogger("edgefl.server")
-MAX_SAMPLES = 10**9
+STRANGER_NACK_EVERY_S = 10.0  # at most one nack per unknown device id in this many seconds
+MAX_STRANGERS = 1000  # unknown ids remembered for that rate limit
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -61,7 +64,8 @@ class RoundState:
     deadline: float  # transport clock
     reported: dict[str, str] = field(default_factory=dict)  # device -> receipt status
     receipts: dict[str, str] = field(default_factory=dict)  # device -> "status[: reason]"
-    rejected: dict[str, list[str]] = field(default_factory=dict)
+    rejected: Rejections = field(default_factory=Rejections)
+    offline_since: dict[str, float] = field(default_factory=dict)  # selected, unreported devices gone offline
     late: list[str] = field(default_factory=list)
     extended: bool = False
     bytes_up: dict[str, int] = field(default_factory=dict)
@@ -98,8 +102,13 @@ class Orchestrator:
         self.online: dict[str, bool] = {}
         self.history: list[dict[str, Any]] = []
         self.state: RoundState | None = None
-        self.rejections: list[tuple[str, str]] = []
+        self.rejections = Rejections()  # the whole run's, bounded
         self.early: dict[str, tuple[Envelope, int]] = {}
+        # uploads for the next round are held only just after a restart (the broker delivers what
+        # devices queued while the server was down); otherwise an upload for a round that has not
+        # started is refused, so nobody can fill a device's slot in advance
+        self.accept_early = False
+        self._strangers: dict[str, float] = {}  # unknown device id -> when it was last nacked
         self.last_round = 0  # the last round closed (restored on resume)
         self._connects_seen = transport.connects if transport is not None else 0
         self._evaluation: dict[str, float] | None = None  # answers to evaluate requests, while collected
@@ -131,10 +140,28 @@ class Orchestrator:
 
     # --- receiving ----------------------------------------------------------------------------
     def handle(self, item: Delivery) -> None:
-        """One delivery from the transport. Never raises: every problem becomes a logged nack."""
+        """One delivery from the transport. Never raises: every problem, the unforeseen included,
+        becomes a nack (when there is someone to answer) and a bounded log line."""
+        try:
+            self._handle(item)
+        except Exception as exc:  # a bug or a case no check foresaw: refuse the message, keep serving
+            log.exception("unexpected failure handling a message from %s", str(item.peer)[:64])
+            try:
+                self._reject(item.peer or "?", None, f"the server could not handle this message ({type(exc).__name__})")
+            except Exception:
+                log.exception("could not even refuse it")
+
+    def _handle(self, item: Delivery) -> None:
         device = item.peer
-        if item.channel == "unknown" or device is None or device not in self._known:
-            self._reject(device or item.where, None, f"message on an unknown channel or from an unknown device ({item.where or device})")
+        if item.channel == "unknown" or device is None:
+            self._reject(str(item.where or device)[:64], None, "message on a topic that belongs to no device")
+            return
+        if device not in self._known:
+            self._stranger(device)
+            return
+        if item.retained and item.channel == "message":
+            # a retained upload is replayed to every (re)subscribing server: never act on one
+            self._count(device, "retained message on a device topic; discarded (devices publish with retain = false)")
             return
         if item.channel == "presence":
             self._presence(device, bool(item.online))
@@ -158,12 +185,34 @@ class Orchestrator:
             return
         self._upload(device, env, len(item.payload), item.facts)
 
+    def _stranger(self, device: str) -> None:
+        """A message from a device id outside the config: refused, and answered on its own down
+        topic (rate-limited: a stranger cannot make the server flood)."""
+        reason = f"device {device[:64]!r} is not in this federation's config"
+        self._count(device, reason)
+        if not is_safe_name(device):
+            return  # not a usable topic name: nobody to answer
+        now = self.transport.now()
+        if now - self._strangers.get(device, -math.inf) < STRANGER_NACK_EVERY_S:
+            return
+        if len(self._strangers) >= MAX_STRANGERS:
+            self._strangers.clear()
+        self._strangers[device] = now
+        nack = Envelope("nack", self.federation, self._model_version(), "server", model_version=self._model_version(),
+                        extra={"reason": reason})
+        self.transport.send(device, pack(nack))
+
     def _presence(self, device: str, online: bool) -> None:
         was = self.online.get(device, False)
         self.online[device] = online
         if online != was:
             self.on_event("presence", {"device": device, "online": online})
         st = self.state
+        if st is not None and device in st.selected and device not in st.reported:
+            if online:
+                st.offline_since.pop(device, None)
+            else:
+                st.offline_since.setdefault(device, self.transport.now())
         if online and not was and st is not None and device in st.selected and device not in st.reported:
             # a device that (re)joined mid-round may have missed its download: send it again
             # (the device ignores a second copy of a round it has served)
@@ -175,7 +224,7 @@ class Orchestrator:
         try:
             env = unpack(data, self.net.max_message_bytes)
         except PayloadError as exc:
-            self._reject(device, carrier, str(exc))
+            self._reject(device, carrier, str(exc), reply_to=exc.message_id)
             return None
         if env.sender != device:
             self._reject(device, env, f"sender {env.sender!r} in the header is not the topic's device {device!r}")
@@ -220,7 +269,7 @@ class Orchestrator:
         st = self.state
         current = st.round if st else self.last_round
         if message.round > current:
-            if message.round <= self.cfg.rounds and message.round == current + 1:
+            if self.accept_early and message.round <= self.cfg.rounds and message.round == current + 1:
                 # early: after a server restart, uploads queued in the broker can arrive before the
                 # round reopens; hold one per device and use it when the round starts
                 self.early[device] = (env, size)
@@ -251,6 +300,8 @@ class Orchestrator:
             self.evaluator.device_reported(device, message.meta["eval_accuracy"])
         if st is None:
             return
+        if receipt_status == "duplicate" and message.round < current:
+            return  # a replay of an upload already counted in its own round
         if message.round < current or receipt_status == "late":
             st.late.append(device)
             self.on_event("late", {"device": device, "round": message.round, "status": receipt_status})
@@ -279,45 +330,37 @@ class Orchestrator:
         return receipt.status, receipt.reason
 
     def _sanity(self, message: Message, env: Envelope) -> str | None:
-        """Method-independent checks of a decoded upload: model version, sample count, values."""
+        """Method-independent checks of a decoded upload (:mod:`edgefl.server.upload_checks`)."""
         if env.model_version != message.round:
             return f"model version {env.model_version} does not match round {message.round}"
-        n = message.meta.get("num_samples")
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_SAMPLES:
-            return f"num_samples must be an integer in 1..{MAX_SAMPLES}, got {n!r}"
-        accuracy = message.meta.get("eval_accuracy")
-        if accuracy is not None and (not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool)
-                                     or not 0.0 <= float(accuracy) <= 1.0):
-            return f"eval_accuracy must be a number in [0, 1], got {str(accuracy)[:40]}"
-        loss = message.meta.get("train_loss")
-        if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss)):
-            return f"train_loss must be a finite number, got {str(loss)[:40]}"
-        for name, t in message.tensors.items():
-            if t.is_floating_point() and t.numel():
-                if not bool(torch.isfinite(t).all()):
-                    return f"{name} holds NaN or Inf"
-                if float(t.abs().max()) > self.net.max_abs_value:
-                    return f"{name} holds values beyond +-{self.net.max_abs_value:g}"
-        return None
+        return upload_problem(message, getattr(self.server, "num_classes", None), self.net.max_abs_value, self.cfg.max_epochs())
 
-    def _reject(self, device: str, env: Envelope | None, reason: str) -> None:
-        log.warning("rejected from %s: %s", device, reason)
-        self.rejections.append((device, reason))
-        if self.state is not None:
-            self.state.rejected.setdefault(device, []).append(reason)
-        self.on_event("rejected", {"device": device, "reason": reason})
+    def _count(self, device: str, reason: str) -> bool:
+        """Count a refusal in the round's and the run's bounded summaries; True when it is to be
+        logged in full (the first few of a round, then a sample)."""
+        loud = self.state.rejected.add(device, reason) if self.state is not None else True
+        self.rejections.add(device, reason)
+        if loud:
+            log.warning("rejected from %s: %s", device[:64], reason[:300])
+            self.on_event("rejected", {"device": device[:64], "reason": reason[:300]})
+        return loud
+
+    def _reject(self, device: str, env: Envelope | None, reason: str, reply_to: str | None = None) -> None:
+        """Refuse: counted, logged (bounded) and, to a device of this federation, a nack that
+        answers the message's id whenever its header parsed."""
+        self._count(device, reason)
         if device not in self._known:
             return
-        if env is None:
-            # nothing to reply to (the envelope did not parse): the nack still tells the device why
-            nack = Envelope("nack", self.federation, self._model_version(), "server",
-                            model_version=self._model_version(), extra={"reason": reason[:500]})
-            self.transport.send(device, pack(nack))
-            return
-        missing = []
-        if env.type == "chunk":
-            missing = self.reassembler.missing(device, env.extra["chunk"]["upload_id"])
-        self._reply(device, env, "nack", reason=reason[:500], **({"missing": missing} if missing else {}))
+        extra: dict[str, Any] = {"reason": reason[:500]}
+        if env is not None:
+            reply_to = answerable_id(env.header())
+            if env.type == "chunk":
+                missing = self.reassembler.missing(device, env.extra["chunk"]["upload_id"])
+                if missing:
+                    extra["missing"] = missing
+        nack = Envelope("nack", self.federation, env.round if env is not None else self._model_version(), "server",
+                        reply_to=reply_to, model_version=self._model_version(), extra=extra)
+        self.transport.send(device, pack(nack))
 
     def _check_reconnect(self) -> None:
         """After the server's own reconnect (a broker restart) presence is unknown again: the next
@@ -333,11 +376,12 @@ class Orchestrator:
         self._check_reconnect()
         if item is not None:
             self.handle(item)
-        for device, upload_id, missing in self.reassembler.collect_stale():
-            reason = f"partial upload {upload_id} went stale; missing chunks {missing[:10]}"
-            self._reject(device, None, reason)
+        for device, upload_id, missing, dropped in self.reassembler.collect_stale():
+            reason = (f"partial upload {upload_id} dropped after repeated stale nacks; resend every chunk" if dropped
+                      else f"partial upload {upload_id} went stale; resend the missing chunks")
+            self._count(device, reason)
             env = Envelope("nack", self.federation, self._model_version(), "server", reply_to=upload_id,
-                           extra={"reason": reason, "missing": missing})
+                           model_version=self._model_version(), extra={"reason": reason, "missing": missing})
             self.transport.send(device, pack(env))
 
     # --- rounds -------------------------------------------------------------------------------
@@ -382,6 +426,7 @@ class Orchestrator:
             if early.round == r:
                 self._upload(device, early, size, {})
         self.early = {}
+        self.accept_early = False
         outcome = self._collect(st)
         if outcome == "failed":
             self.server.discard_round(r)
@@ -406,10 +451,17 @@ class Orchestrator:
 
     def _collect(self, st: RoundState) -> str:
         quorum = self.net.quorum_count(len(st.selected))
+        for device in st.selected:  # offline when the round starts: the grace counts from now
+            if self.online.get(device) is False:
+                st.offline_since[device] = self.transport.now()
         while True:
             if all(d in st.reported for d in st.selected):
                 return "complete"
             remaining = st.deadline - self.transport.now()
+            if self._all_gone(st):
+                remaining = 0
+                self.on_event("all_offline", {"round": st.round, "offline": sorted(st.offline_since)})
+                st.extended = True  # no grace either: nobody is left to report
             if remaining <= 0:
                 if len(st.reported) >= quorum:
                     return "deadline"
@@ -420,6 +472,12 @@ class Orchestrator:
                     continue
                 return "failed"
             self._pump(min(remaining, 1.0))
+
+    def _all_gone(self, st: RoundState) -> bool:
+        """Every selected device that has not reported has been offline for ``offline_grace_s``."""
+        waiting = [d for d in st.selected if d not in st.reported]
+        now = self.transport.now()
+        return bool(waiting) and all(now - st.offline_since.get(d, math.inf) >= self.net.offline_grace_s for d in waiting)
 
     def _note_stragglers(self, st: RoundState) -> None:
         """Selected devices whose work is known to be still under way when the round closed (only
@@ -477,7 +535,7 @@ class Orchestrator:
             "reported": sorted(st.reported),
             "missing": missing,
             "late": st.late,
-            "rejected": st.rejected,
+            "rejected": st.rejected.summary(),
             "extended": st.extended,
             "receipts": receipts,
             "bytes_up": sum(st.bytes_up.values()),

@@ -91,6 +91,7 @@ class RunSession:
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
         self.orchestrator.history = history
         self.orchestrator.last_round = done
+        self.orchestrator.accept_early = True  # uploads devices queued while the server was down
         return done + 1
 
     # --- rounds ---------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class RunSession:
             "final_accuracy": evaluated[-1]["accuracy"] if evaluated else None,
             "best_overall_accuracy": max((h["accuracy"]["overall"] for h in evaluated), default=None),
             "failed_rounds": [h["round"] for h in history if h["outcome"] == "failed"],
-            "rejections": len(self.orchestrator.rejections),
+            "rejections": self.orchestrator.rejections.summary(),
             "bytes_up_total": sum(h["bytes_up"] for h in history),
             "bytes_down_total": sum(h["bytes_down"] for h in history),
             "stragglers_total": sum(len(h.get("stragglers", [])) for h in history),

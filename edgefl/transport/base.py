@@ -37,6 +37,8 @@ class Delivery:
     #: what the transport knows about the sender's work (the simulation's virtual clock:
     #: ``{"work_s": seconds or None}``); empty on a real network
     facts: dict[str, Any] = field(default_factory=dict)
+    #: the broker replayed this from its retained store (a device never retains an upload)
+    retained: bool = False
 
 
 class _Endpoint(ABC):

@@ -44,6 +44,7 @@ class BrokerAddress:
 class Incoming:
     topic: str
     payload: bytes
+    retained: bool = False  # delivered from the broker's retained store (on subscribe), not live
 
 
 class Link:
@@ -114,7 +115,7 @@ class Link:
         self.last_disconnect = str(reason_code)
 
     def _on_message(self, client, userdata, msg) -> None:
-        self.inbox.put(Incoming(msg.topic, bytes(msg.payload)))
+        self.inbox.put(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain)))
 
     # --- use ----------------------------------------------------------------------------------
     def start(self, timeout_s: float = 15.0) -> Link:

@@ -39,7 +39,7 @@ class MqttServerTransport(ServerTransport):
             return Delivery("unknown", None, item.payload, where=item.topic)
         if item.topic == self.topics.presence(device):
             return Delivery("presence", device, online=item.payload == b"online", where=item.topic)
-        return Delivery("message", device, item.payload, where=item.topic)
+        return Delivery("message", device, item.payload, where=item.topic, retained=item.retained)
 
     @property
     def connects(self) -> int:

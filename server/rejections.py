@@ -1,0 +1,66 @@
+"""A bounded account of refused messages: what the metrics and the log keep of hostile traffic.
+
+A flood of 8,000 bad messages must not grow metrics.jsonl by 8,000 entries nor fill the log: a
+round keeps counts by reason (numbers in a reason folded, so "chunk 17 of 20000" and "chunk 3 of
+5" count together) and by sender, each capped, and only the first :data:`LOGGED_PER_ROUND`
+refusals of a round (then every :data:`LOG_EVERY`-th) are logged in full.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, deque
+from typing import Any
+
+MAX_KEYS = 200  # distinct reasons or senders tracked; beyond that they count under "(other)"
+TOP = 10  # shown in a record
+LOGGED_PER_ROUND = 20
+LOG_EVERY = 1000
+OTHER = "(other)"
+
+
+def reason_kind(reason: str) -> str:
+    """The reason with numbers and quoted values folded, so equal causes count together."""
+    folded = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", reason[:200])
+    return re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", folded)[:120]
+
+
+class Rejections:
+    """Refusals counted by reason and sender, with a cap on distinct keys."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_reason: Counter[str] = Counter()
+        self.by_sender: Counter[str] = Counter()
+        self.recent: deque[tuple[str, str]] = deque(maxlen=50)  # (sender, reason) of the last refusals
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, index: int) -> tuple[str, str]:
+        """The recent refusals, newest last (``rejections[-1]``)."""
+        return self.recent[index]
+
+    @staticmethod
+    def _bump(counter: Counter[str], key: str, n: int = 1) -> None:
+        counter[key if key in counter or len(counter) < MAX_KEYS else OTHER] += n
+
+    def add(self, sender: str, reason: str) -> bool:
+        """Count one refusal; True when it should be logged in full."""
+        self.total += 1
+        self.recent.append((sender[:64], reason[:300]))
+        self._bump(self.by_reason, reason_kind(reason))
+        self._bump(self.by_sender, sender[:64])
+        return self.total <= LOGGED_PER_ROUND or self.total % LOG_EVERY == 0
+
+    def summary(self) -> dict[str, Any]:
+        """What a round record keeps: the count and the top reasons and senders."""
+        return {"count": self.total, "by_reason": dict(self.by_reason.most_common(TOP)),
+                "by_sender": dict(self.by_sender.most_common(TOP))}
+
+    def merge(self, other: Rejections) -> None:
+        self.total += other.total
+        for key, n in other.by_reason.items():
+            self._bump(self.by_reason, key, n)
+        for key, n in other.by_sender.items():
+            self._bump(self.by_sender, key, n)
