@@ -158,18 +158,24 @@ def client(
     username: Annotated[Optional[str], typer.Option(help="MQTT username (default: the device id)")] = None,
     password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate of a TLS broker")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(
+        "--state-dir", help="where the device keeps its model and method state to resume after a crash "
+                            "(default: $XDG_STATE_HOME/edgefl/FEDERATION/DEVICE)")] = None,
+    keep_state: Annotated[bool, typer.Option("--keep-state/--no-state", help="save state after every round")] = True,
 ) -> None:
     """Run one device of a fleet over MQTT (what a Raspberry Pi or Jetson runs)."""
     import os
 
     from edgefl.config import load_config
-    from edgefl.fleet.launcher import run_device
+    from edgefl.fleet.launcher import device_state_dir, federation, run_device
 
     overrides = [*set_, *([f"data.data_dir={data}"] if data else [])]
     cfg = load_config(config, overrides, "demo")
     password = os.environ.get(password_env)
+    if keep_state and state_dir is None:
+        state_dir = device_state_dir(federation(cfg), device_id)
     results = run_device(cfg, device_id, broker, timeout, username or (device_id if password else None), password,
-                         str(ca_file) if ca_file else None)
+                         str(ca_file) if ca_file else None, state_dir if keep_state else None)
     err.print(f"{device_id}: {len(results)} rounds served")
 
 

@@ -14,6 +14,11 @@ It acts on what the server sends:
   chunks again. An upload left unanswered is resent with growing back-off (:meth:`tick`).
 * the round announcement: the run is done when it says so.
 
+With a :class:`~edgefl.device_state.DeviceStateStore` the device saves its model, what its
+method carries and the upload after every round it trains, and starts from them again after a
+crash (:meth:`restore`): the server resends the download of the round it is waiting for, and
+the device answers with the saved upload or retrains that round from the saved state.
+
 The loop is event-driven (:meth:`handle` one delivery, :meth:`tick` for resends) so the same code
 runs blocking over MQTT (:meth:`run`) and stepped by the simulation's in-memory network.
 """
@@ -28,11 +33,12 @@ import torch
 
 from edgefl.algorithms import ClientHalf
 from edgefl.config import NetworkSettings
+from edgefl.device_state import DeviceStateStore
 from edgefl.errors import PayloadError
 from edgefl.messages import Message, decode, encode
 from edgefl.transport.base import Delivery, DeviceTransport
 from edgefl.transport.chunks import Reassembler, split
-from edgefl.transport.envelope import Envelope, tensor_manifest, unpack
+from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
 
 log = logging.getLogger("edgefl.device")
 
@@ -61,7 +67,8 @@ class _Pending:
 
 class DeviceLoop:
     def __init__(self, client: ClientHalf, transport: DeviceTransport, federation: str, network: NetworkSettings,
-                 x_test: torch.Tensor | None = None, y_test: torch.Tensor | None = None, eval_batch_size: int = 1000) -> None:
+                 x_test: torch.Tensor | None = None, y_test: torch.Tensor | None = None, eval_batch_size: int = 1000,
+                 state: DeviceStateStore | None = None) -> None:
         self.client = client
         self.device = client.client_id
         self.transport = transport
@@ -77,6 +84,23 @@ class DeviceLoop:
         self.finished = False
         self.results: dict[int, dict[str, Any]] = {}
         self.last_work: WorkDone | None = None
+        self.state = state
+        self.resumed_from: int | None = None  # the round whose saved state this loop started from
+
+    def restore(self) -> int | None:
+        """Continue from the saved state, when there is one: returns its round (None: none)."""
+        if self.state is None:
+            return None
+        saved = self.state.load()
+        if saved is None:
+            return None
+        round_no, tensors, upload = saved
+        self.client.load_carry_state(tensors)
+        self.served[round_no] = unpack(upload, self.net.max_message_bytes)
+        self.latest_round = max(self.latest_round, round_no)
+        self.resumed_from = round_no
+        log.info("%s: resumed from the state saved after round %d", self.device, round_no)
+        return round_no
 
     # --- incoming -----------------------------------------------------------------------------
     def handle(self, item: Delivery) -> None:
@@ -108,6 +132,8 @@ class DeviceLoop:
             self._evaluate(env)
         elif env.type in ("ack", "nack") and env.reply_to:
             self._answered(env)
+        elif env.type == "nack":  # the server could not tell which message it refuses
+            log.warning("%s: the server refused a message: %s", self.device, str(env.extra.get("reason"))[:300])
 
     # --- acting ---------------------------------------------------------------------------------
     def _downlink(self, env: Envelope) -> Message | None:
@@ -124,6 +150,8 @@ class DeviceLoop:
         upload = self.served[r] = self.train(env)
         for old in [k for k in self.served if k < r - 1]:
             del self.served[old]
+        if self.state is not None:  # before sending: a crash after the send resends this very upload
+            self.state.save(r, self.client.carry_state(), pack(upload))
         self._send(upload)
 
     def train(self, env: Envelope) -> Envelope:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -59,6 +59,10 @@ class ClientHalf(ABC):
             self.train_locally(round_no, lambda x, y: F.cross_entropy(self.model(x), y))
             return self.reply("weights", round_no, self.model.state_dict())
     """
+
+    #: attributes (tensors, dicts of tensors, or None) the method carries from one round to the
+    #: next besides the model: what a device saves to resume after a crash (:meth:`carry_state`)
+    carried: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, setup: ClientSetup, options: MethodOptions) -> None:
         self.setup = setup
@@ -119,6 +123,29 @@ class ClientHalf(ABC):
         plus ``meta``."""
         copies = {name: t.detach().clone() for name, t in tensors.items()}
         return Message(kind, round_no, self.client_id, copies, {**self.base_meta(round_no), **meta})
+
+    def carry_state(self) -> dict[str, torch.Tensor]:
+        """What this device must keep to continue after a crash: its model and :attr:`carried`,
+        as flat named tensors (``model.*``, ``<attribute>`` or ``<attribute>.<key>``)."""
+        out = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        for attr in self.carried:
+            value = getattr(self, attr)
+            if isinstance(value, torch.Tensor):
+                out[attr] = value.detach().cpu().clone()
+            elif isinstance(value, dict):
+                out.update({f"{attr}.{k}": v.detach().cpu().clone() for k, v in value.items()})
+        return out
+
+    def load_carry_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`carry_state` returned (attributes it did not hold stay None)."""
+        self.model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+        for attr in self.carried:
+            if attr in tensors:
+                setattr(self, attr, tensors[attr])
+            else:
+                prefix = f"{attr}."
+                found = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+                setattr(self, attr, found or None)
 
     def receive(self, downlink: Message | None) -> None:  # noqa: B027  (optional hook: most methods send nothing to apply)
         """Apply what the server sent without training (before evaluation or before :meth:`fit`)."""

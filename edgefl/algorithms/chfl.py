@@ -43,6 +43,7 @@ class CHFLOptions(MethodOptions):
 
 
 class CHFLClient(ClientHalf):
+    carried = ("global_head",)
 
     def __init__(self, setup, options: CHFLOptions) -> None:
         super().__init__(setup, options)

@@ -75,6 +75,8 @@ class LogitCollector:
 
 
 class FedHeClient(ClientHalf):
+    carried = ("server_logits", "server_mask")
+
     def __init__(self, setup, options: FedHeOptions) -> None:
         super().__init__(setup, options)
         self.server_logits: torch.Tensor | None = None

@@ -106,6 +106,8 @@ def warmup_rounds(options: FeloOptions, total_rounds: int) -> int:
 
 
 class FeloClient(ClientHalf):
+    carried = ("server_feats", "server_logits", "server_mask")
+
     def __init__(self, setup, options: FeloOptions) -> None:
         super().__init__(setup, options)
         width = getattr(self.model, "feature_dim", None)

@@ -12,6 +12,9 @@ differs.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,16 +31,35 @@ from edgefl.config import RunConfig
 from edgefl.rundir import RunDir
 from edgefl.transport.topics import Topics, device_ids
 
+log = logging.getLogger("edgefl.device")
+
 
 def federation(cfg: RunConfig) -> str:
     """The federation both sides of a fleet use (the simulation names the same)."""
     return federation_name(cfg)
 
 
+def device_state_dir(federation_name: str, device_id: str) -> Path:
+    """Where ``edgefl client`` keeps a device's state unless told (``$XDG_STATE_HOME/edgefl/...``)."""
+    root = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return root / "edgefl" / federation_name / device_id
+
+
+def training_digest(cfg: RunConfig) -> str:
+    """What makes a device's saved state belong to a run: everything that shapes its training,
+    not where its data lies or how the network is tuned."""
+    keep = {k: v for k, v in cfg.to_dict().items() if k not in ("network", "threads", "export", "name")}
+    keep["data"] = {k: v for k, v in keep.get("data", {}).items() if k != "data_dir"}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+
 def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | None = None,
-               username: str | None = None, password: str | None = None, ca_file: str | None = None) -> dict[int, dict[str, Any]]:
-    """Serve one device until the server's run is done."""
+               username: str | None = None, password: str | None = None, ca_file: str | None = None,
+               state_dir: Path | None = None) -> dict[int, dict[str, Any]]:
+    """Serve one device until the server's run is done (``state_dir``: where it keeps its state
+    to resume after a crash; None keeps nothing)."""
     from edgefl.device import DeviceLoop
+    from edgefl.device_state import DeviceStateStore
     from edgefl.transport.mqtt import MqttDeviceTransport
 
     if cfg.threads:
@@ -51,7 +73,11 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
                                             keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
                                             username=username, password=password, ca_file=ca_file)
     try:
-        loop = DeviceLoop(client, transport, topics.federation, cfg.network, parts.x_test, parts.y_test, cfg.eval.batch_size)
+        store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
+        loop = DeviceLoop(client, transport, topics.federation, cfg.network, parts.x_test, parts.y_test, cfg.eval.batch_size, store)
+        resumed = loop.restore()
+        if resumed is not None:
+            log.warning("%s: resuming from the state it saved after round %d (%s)", device_id, resumed, state_dir)
         return loop.run(timeout_s)
     finally:
         transport.close()
@@ -126,7 +152,7 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
             with open(logs / f"{device}.log", "wb") as log:
                 procs[device] = subprocess.Popen(
                     [sys.executable, "-m", "edgefl", "client", "--broker", broker, "--config", str(config_path),
-                     "--device-id", device, "--timeout", str(device_timeout_s)],
+                     "--device-id", device, "--timeout", str(device_timeout_s), "--state-dir", str(work / "state" / device)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         console.print(f"started {len(procs)} device processes (logs in {logs})")
         summary = serve(cfg, broker, run_dir, console, on_event)
