@@ -7,11 +7,16 @@ Writes into one folder:
   session), persistence, the packet and queue limits the protocol assumes;
 * ``passwords``: one credential per device and one for the server, hashed with mosquitto's own
   ``mosquitto_passwd`` when installed (else the same PBKDF2-SHA512 ``$7$`` format, computed here);
-* ``credentials.csv`` (mode 0600): the plain passwords, to hand to each device once;
+* ``credentials.csv``: the plain passwords, to hand to each device once;
 * ``acl``: the server reads and writes the federation's topics; a device may write only its own
   ``up`` and ``presence`` topics and read only its own ``down`` topic and the round announcements;
 * ``certs/``: a CA and a server certificate made with the ``openssl`` binary (when found), with
   the ``openssl`` commands in ``certs/README`` otherwise.
+
+Secrets (``passwords``, ``credentials.csv``, ``acl``, ``certs/ca.key``, ``certs/server.key``) are
+mode 0600 from the moment they exist: each is written into a new 0600 file (or made by
+``mosquitto_passwd``/``openssl`` inside a private 0700 folder) and renamed over its final name, so
+no other local user can read a password or key in between, even where a file of that name existed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +51,12 @@ class BrokerConfig:
 
 def acl_text(federation: str) -> str:
     base = f"{ROOT}/{federation}"
-    # mosquitto applies `topic` lines to the user named above them: the ones for everybody first
+    # mosquitto gives `topic` lines above the first `user` line to anonymous clients only (this broker
+    # has none); `pattern` lines apply to every user, so whatever the devices need is a pattern
     return "\n".join([
-        "# every client may read the round announcements",
-        f"topic read {base}/round",
+        "# every client may read the round announcements (a pattern, so it applies to every user;",
+        "# mosquitto warns that it holds no %u or %c: expected)",
+        f"pattern read {base}/round",
         "# every device (%u = its username = its device id) only its own topics",
         f"pattern write {base}/dev/%u/up",
         f"pattern read {base}/dev/%u/down",
@@ -99,16 +107,50 @@ def pbkdf2_entry(username: str, password: str, iterations: int = 101) -> str:
     return f"{username}:$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
 
 
+def write_secret(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only, from creation on.
+
+    A new 0600 file is renamed over ``path``: an existing file is never truncated and refilled (it
+    would keep its old mode, and a reader holding it open would see the new content)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # O_EXCL, mode 0600
+    try:
+        os.fchmod(fd, 0o600)  # mkstemp's mode, whatever a caller's umask would have made of it
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _private_workdir(parent: Path) -> Path:
+    """A 0700 folder next to the final files (same filesystem, so a rename moves them): tools that
+    write secrets with their own file modes (mosquitto_passwd, openssl) write them in here."""
+    return Path(tempfile.mkdtemp(dir=parent, prefix=".edgefl-"))
+
+
 def write_passwords(path: Path, credentials: dict[str, str]) -> str:
     tool = shutil.which("mosquitto_passwd")
     if tool:
-        path.write_text("".join(f"{u}:{p}\n" for u, p in credentials.items()))
-        os.chmod(path, 0o600)
-        subprocess.run([tool, "-U", str(path)], check=True, capture_output=True)
+        work = _private_workdir(path.parent)
+        try:
+            plain = work / "passwords"
+            write_secret(plain, "".join(f"{u}:{p}\n" for u, p in credentials.items()))
+            # -U hashes the plain passwords in place (and makes a .tmp backup next to the file)
+            subprocess.run([tool, "-U", str(plain)], check=True, capture_output=True, umask=0o077)
+            os.chmod(plain, 0o600)
+            os.replace(plain, path)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         return "mosquitto_passwd"
-    path.write_text("".join(pbkdf2_entry(u, p) + "\n" for u, p in credentials.items()))
-    os.chmod(path, 0o600)
+    write_secret(path, "".join(pbkdf2_entry(u, p) + "\n" for u, p in credentials.items()))
     return "edgefl (PBKDF2-SHA512, mosquitto's $7$ format)"
+
+
+#: what openssl writes, and who may read it (the keys stay with their owner)
+CERT_FILES = {"ca.key": 0o600, "server.key": 0o600, "ca.crt": 0o644, "server.crt": 0o644, "server.csr": 0o644, "ca.srl": 0o644}
 
 
 def make_certs(certs: Path, hostname: str, days: int = 825) -> bool:
@@ -121,15 +163,24 @@ def make_certs(certs: Path, hostname: str, days: int = 825) -> bool:
         ["openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.crt",
          "-days", str(days), "-extfile", "san.cnf"],
     ]
-    (certs / "san.cnf").write_text(f"subjectAltName=DNS:{hostname},DNS:localhost,IP:127.0.0.1\n")
-    (certs / "README").write_text("Certificates for the broker's TLS listener. Made with:\n\n"
+    san = f"subjectAltName=DNS:{hostname},DNS:localhost,IP:127.0.0.1\n"
+    (certs / "san.cnf").write_text(san)
+    (certs / "README").write_text("Certificates for the broker's TLS listener. Made with (umask 077):\n\n"
                                   + "\n".join(" ".join(c) for c in commands) + "\n\nDevices need ca.crt only (--ca-file).\n")
     if shutil.which("openssl") is None:
         return False
-    for cmd in commands:
-        subprocess.run(cmd, cwd=certs, check=True, capture_output=True)
-    os.chmod(certs / "ca.key", 0o600)
-    os.chmod(certs / "server.key", 0o600)
+    work = _private_workdir(certs)
+    try:
+        (work / "san.cnf").write_text(san)
+        for cmd in commands:
+            # umask 077: whatever openssl creates is its owner's only, keys included
+            subprocess.run(cmd, cwd=work, check=True, capture_output=True, umask=0o077)
+        for name, mode in CERT_FILES.items():
+            if (work / name).exists():
+                os.chmod(work / name, mode)  # the certificates are public: the broker and devices read them
+                os.replace(work / name, certs / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return True
 
 
@@ -151,9 +202,9 @@ def write_broker_config(directory: Path, devices: int, federation: str, port: in
     credentials = {SERVER_USER: secrets.token_urlsafe(18), **{d: secrets.token_urlsafe(18) for d in ids}}
     write_passwords(directory / "passwords", credentials)
     cred_file = directory / "credentials.csv"
-    cred_file.write_text("username,password\n" + "".join(f"{u},{p}\n" for u, p in credentials.items()))
-    os.chmod(cred_file, 0o600)
-    (directory / "acl").write_text(acl_text(federation))
+    write_secret(cred_file, "username,password\n" + "".join(f"{u},{p}\n" for u, p in credentials.items()))
+    # not secret, but mosquitto warns about (and later versions refuse) a world-readable ACL file
+    write_secret(directory / "acl", acl_text(federation))
     certs = None
     if tls:
         certs = directory / "certs"
