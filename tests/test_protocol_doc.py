@@ -1,0 +1,363 @@
+"""docs/PROTOCOL.md, kept honest: its worked examples are generated here, byte for byte.
+
+Every ``<!-- example: NAME -->`` marker in the doc is followed by a fenced block that must equal
+what :data:`EXAMPLES` builds with the real envelope and message code (fixed ids, fixed values), so
+the hex cannot drift from the implementation. ``EDGEFL_WRITE_DOCS=1 pytest
+tests/test_protocol_doc.py`` rewrites the blocks instead of comparing them. The examples are
+also checked the way a receiver reads them (unpack, decode, reassembly), and the doc's tables
+are compared with the registries they describe: message kinds, what each method uploads and
+downloads, the envelope's header fields, and docs/config.md's ``[network]`` section with
+:class:`edgefl.config.NetworkSettings`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from edgefl.messages import MESSAGE_KINDS, Message, decode, encode
+from edgefl.transport.chunks import Reassembler, split
+from edgefl.transport.envelope import HEADER_FIELDS, Envelope, header_problem, pack, tensor_manifest, unpack
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PROTOCOL = DOCS / "PROTOCOL.md"
+CONFIG = DOCS / "config.md"
+WRITE = os.environ.get("EDGEFL_WRITE_DOCS") == "1"
+
+FED = "demo"
+DEVICE = "client-0"
+BASE = f"edgefl/v1/{FED}"
+UP, DOWN, ROUND = f"{BASE}/dev/{DEVICE}/up", f"{BASE}/dev/{DEVICE}/down", f"{BASE}/round"
+DEADLINE_UNIX = 1767225720.0  # 2026-01-01 00:02:00 UTC
+
+
+def ident(n: int) -> str:
+    """A fixed message id (real ones are 32 random hex digits: uuid4().hex)."""
+    return f"{n:032x}"
+
+
+# --- rendering ------------------------------------------------------------------------------------
+def hexdump(data: bytes, width: int = 32) -> list[str]:
+    return [f"{i:04x}  " + " ".join(f"{b:02x}" for b in data[i : i + width]) for i in range(0, len(data), width)]
+
+
+def spaced(data: bytes) -> str:
+    return " ".join(f"{b:02x}" for b in data)
+
+
+def pretty(obj: dict, indent: str = "  ", sort: bool = True) -> list[str]:
+    """A JSON object one top-level key a line (values compact), for reading; the wire form is in the hex."""
+    keys = sorted(obj) if sort else list(obj)
+    lines = [indent + "{"]
+    for i, key in enumerate(keys):
+        comma = "," if i < len(keys) - 1 else ""
+        lines.append(f"{indent}  {json.dumps(key)}: {json.dumps(obj[key], sort_keys=sort, separators=(', ', ': '))}{comma}")
+    return [*lines, indent + "}"]
+
+
+def safetensors_lines(body: bytes, at: int) -> list[str]:
+    """The parts of a safetensors body that starts at payload offset ``at``."""
+    (n,) = struct.unpack_from("<Q", body)
+    text = body[8 : 8 + n].decode()
+    pad = len(text) - len(text.rstrip(" "))
+    header = json.loads(text)
+    data_at = at + 8 + n
+    lines = [
+        f"  {at:<6}{8:<6}header length N   {spaced(body[:8])}  = {n} (u64 little-endian)",
+        f"  {at + 8:<6}{n:<6}header JSON       " + (f"(ends in {pad} spaces: padded to a multiple of 8)" if pad else "(no padding)"),
+        f"  {data_at:<6}{len(body) - 8 - n:<6}tensor data",
+        "  header JSON (key order as written; a reader must not depend on it):",
+        *pretty({k: ({"edgefl": "<a JSON string, decoded below>"} if k == "__metadata__" else v) for k, v in header.items()},
+                "    ", sort=False),
+        '  __metadata__["edgefl"], a JSON string, decoded:',
+        *pretty(json.loads(header["__metadata__"]["edgefl"]), "    "),
+    ]
+    message = decode(body)
+    if message.tensors:
+        lines.append("  tensors (offsets relative to the tensor data; little-endian values):")
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            values = message.tensors[name].tolist()
+            lines.append(f"    {name:<12}{info['dtype']:<5}{json.dumps(info['shape']):<8}bytes {start}..{end} "
+                         f"(payload {data_at + start}..{data_at + end}) = {json.dumps(values)}")
+    else:
+        lines.append("  tensors: none (the header holds only __metadata__)")
+    return lines
+
+
+def envelope_text(title: str, data: bytes, note: str = "") -> str:
+    magic, version, hlen = struct.unpack_from("<4sBI", data)
+    header = json.loads(data[9 : 9 + hlen])
+    body = data[9 + hlen :]
+    lines = [f"{title}: {len(data)} bytes", *([note] if note else []), "",
+             "offset size  field",
+             f"0     4     magic             {spaced(data[:4])}  = {magic.decode()!r}",
+             f"4     1     version           {spaced(data[4:5])}  = {version}",
+             f"5     4     header length H   {spaced(data[5:9])}  = {hlen} (u32 little-endian)",
+             f"9     {hlen:<6}header JSON       UTF-8, compact, keys sorted (shown below one key a line)",
+             f"{9 + hlen:<6}{len(body):<6}body              " + ("empty" if not body else f"codec {header['codec']!r}"),
+             "", "header JSON:", *pretty(header)]
+    if body and header["codec"] == "safetensors":
+        lines += ["", "body, a safetensors file (offsets are the payload's):", *safetensors_lines(body, 9 + hlen)]
+    elif body and header["type"] == "chunk":
+        c = header["chunk"]
+        lines += ["", f"body: bytes {9 + hlen}.. of this payload are chunk {c['seq']} of {c['count']}: a slice of the packed "
+                      "inner envelope (the slices joined in seq order are the whole upload)"]
+    return "\n".join([*lines, "", "hex:", *hexdump(data)])
+
+
+# --- the examples -------------------------------------------------------------------------------------
+def _upload(message: Message, model_version: int) -> bytes:
+    """What a device publishes: the message in an upload envelope whose id is the message's."""
+    return pack(Envelope("upload", FED, message.round, message.sender, encode(message), message.message_id,
+                         model_version=model_version, codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)}))
+
+
+def status_upload() -> bytes:
+    meta = {"num_samples": 386, "arch": "mlp", "train_loss": 0.5, "eval_accuracy": 0.875}
+    return _upload(Message("status", 1, DEVICE, {}, meta, message_id=ident(0x101)), 1)
+
+
+def class_logits_upload() -> bytes:
+    tensors = {"logits": torch.tensor([[2.0, -1.0, 0.5], [0.25, 1.5, -0.75]]), "classes": torch.tensor([0, 2]),
+               "counts": torch.tensor([120, 80])}
+    meta = {"num_samples": 200, "arch": "mlp", "train_loss": 0.5}
+    return _upload(Message("class_logits", 2, DEVICE, tensors, meta, message_id=ident(0x201)), 2)
+
+
+def evaluation_upload() -> bytes:
+    return _upload(Message("evaluation", 2, DEVICE, {}, {"num_samples": 121, "eval_accuracy": 0.75}, message_id=ident(0x301)), 2)
+
+
+def round_announcement() -> bytes:
+    info = {"selected": ["client-0", "client-1"], "deadline_unix": DEADLINE_UNIX, "rounds": 3, "done": False}
+    return pack(Envelope("round", FED, 1, "server", message_id=ident(0x1), model_version=1, extra={"info": info}))
+
+
+def done_announcement() -> bytes:
+    return pack(Envelope("round", FED, 3, "server", message_id=ident(0x4), model_version=3, extra={"info": {"done": True, "rounds": 3}}))
+
+
+def download_none() -> bytes:
+    return pack(Envelope("download", FED, 1, "server", b"", ident(0x2), model_version=1, codec="none",
+                         extra={"info": {"evaluate": True}}))
+
+
+def download_fedhe_first() -> bytes:
+    # the server's message has its own id: only an upload's message and envelope share theirs
+    message = Message("class_logits", 1, "server", {}, {"empty": True}, message_id=ident(0x1003))
+    return pack(Envelope("download", FED, 1, "server", encode(message), ident(0x3), model_version=1, codec="safetensors"))
+
+
+def download_fedhe() -> bytes:
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 0.0, 0.0], [0.25, 1.5, -0.75]])
+    message = Message("class_logits", 2, "server", {"logits": logits, "mask": torch.tensor([True, False, True])},
+                      message_id=ident(0x1005))
+    return pack(Envelope("download", FED, 2, "server", encode(message), ident(0x5), model_version=2, codec="safetensors"))
+
+
+def evaluate_request() -> bytes:
+    weights = {"head.weight": torch.tensor([[0.5, -0.5], [1.0, 0.0], [-1.0, 0.25]]), "head.bias": torch.tensor([0.0, 0.125, -0.125])}
+    # the global model as a download for round r + 1 would carry it, in an envelope of round r
+    message = Message("weights", 3, "server", weights, {"arch": "mlp"}, message_id=ident(0x1006))
+    return pack(Envelope("evaluate", FED, 2, "server", encode(message), ident(0x6), model_version=2, codec="safetensors"))
+
+
+def ack() -> bytes:
+    return pack(Envelope("ack", FED, 1, "server", message_id=ident(0x7), reply_to=ident(0x101), model_version=1,
+                         extra={"status": "accepted"}))
+
+
+def ack_late() -> bytes:
+    return pack(Envelope("ack", FED, 1, "server", message_id=ident(0x8), reply_to=ident(0x102), model_version=1,
+                         extra={"status": "late", "reason": "round 1 is closed; not used"}))
+
+
+def nack() -> bytes:
+    reason = "num_samples must be an integer in 1..1000000000, got 0"
+    return pack(Envelope("nack", FED, 1, "server", message_id=ident(0x9), reply_to=ident(0x103), model_version=1,
+                         extra={"reason": reason}))
+
+
+def nack_unreadable() -> bytes:
+    reason = "bad magic b'EDFX' (not an edgefl envelope)"
+    return pack(Envelope("nack", FED, 1, "server", message_id=ident(0xA), reply_to=None, model_version=1, extra={"reason": reason}))
+
+
+CHUNK_INNER_ID = ident(0x401)
+
+
+def chunked_upload() -> tuple[bytes, list[bytes]]:
+    """A weights upload a little over 4 KiB, split at 4 KiB: (packed inner envelope, its two chunks)."""
+    weight = (torch.arange(10 * 85, dtype=torch.float32).reshape(10, 85) % 7 - 3) / 8
+    message = Message("weights", 2, DEVICE, {"head.weight": weight, "head.bias": torch.zeros(10)},
+                      {"num_samples": 386, "arch": "linear", "train_loss": 0.5}, message_id=CHUNK_INNER_ID)
+    inner = Envelope("upload", FED, 2, DEVICE, encode(message), CHUNK_INNER_ID, model_version=2, codec="safetensors",
+                     extra={"tensors": tensor_manifest(message.tensors)})
+    ids = iter([ident(0x402), ident(0x403)])
+    with mock.patch("edgefl.transport.chunks.new_id", lambda: next(ids)):
+        chunks = split(inner, chunk_bytes=4096, threshold=1024)
+    return pack(inner), chunks
+
+
+def last_chunk() -> bytes:
+    return chunked_upload()[1][-1]
+
+
+def nack_missing() -> bytes:
+    reason = f"partial upload {CHUNK_INNER_ID} went stale; resend the missing chunks"
+    return pack(Envelope("nack", FED, 2, "server", message_id=ident(0xB), reply_to=CHUNK_INNER_ID, model_version=2,
+                         extra={"reason": reason, "missing": [0]}))
+
+
+def chunk_text() -> str:
+    inner, chunks = chunked_upload()
+    first = unpack(chunks[0], 1 << 20)
+    inner_header = json.loads(inner[9 : 9 + struct.unpack_from("<I", inner, 5)[0]])
+    note = (f"The packed inner upload is {len(inner)} bytes, more than the chunk threshold: at 4,096-byte slices it travels as\n"
+            f"{len(chunks)} chunks. Its own header (the body it describes, {inner_header['body']['length']} bytes, is a "
+            f"weights message)\n" + "\n".join(pretty(inner_header)) +
+            f"\nChunk 0 ({len(chunks[0])} bytes) carries bytes 0..4095 of it; its header:\n" + "\n".join(pretty(first.header())) +
+            "\nChunk 1, the last, in full:")
+    return envelope_text(f"chunk 1 of 2 on {UP}", chunks[-1], note)
+
+
+def presence_text() -> str:
+    return "\n".join([f"presence on {BASE}/presence/{DEVICE} (retained, QoS 1; the same for presence/server):",
+                      f"online   {spaced(b'online')}", f"offline  {spaced(b'offline')}   (also the last will)"])
+
+
+EXAMPLES: dict[str, Callable[[], str]] = {
+    "round": lambda: envelope_text(f"round announcement on {ROUND} (retained)", round_announcement()),
+    "download-none": lambda: envelope_text(f"download on {DOWN}, a method that sends nothing (local-only), evaluation asked",
+                                           download_none()),
+    "upload-status": lambda: envelope_text(f"upload on {UP}: local-only's status report answering it", status_upload()),
+    "ack": lambda: envelope_text(f"ack on {DOWN} of the upload above", ack()),
+    "download-fedhe-first": lambda: envelope_text(f"download on {DOWN}: FedHe, round 1 (the server knows no class yet)",
+                                                  download_fedhe_first()),
+    "upload-class-logits": lambda: envelope_text(f"upload on {UP}: FedHe, C = 3, the device saw classes 0 and 2",
+                                                 class_logits_upload()),
+    "download-fedhe": lambda: envelope_text(f"download on {DOWN}: FedHe, round 2, C = 3, nobody reported class 1",
+                                            download_fedhe()),
+    "evaluate": lambda: envelope_text(f"evaluate on {DOWN} after round 2: a global model (a 2-feature linear classifier, C = 3)",
+                                      evaluate_request()),
+    "upload-evaluation": lambda: envelope_text(f"upload on {UP} answering it", evaluation_upload()),
+    "ack-late": lambda: envelope_text(f"ack on {DOWN}: a synchronous method's upload for a round that has closed", ack_late()),
+    "nack": lambda: envelope_text(f"nack on {DOWN}: an upload refused", nack()),
+    "nack-unreadable": lambda: envelope_text(f"nack on {DOWN}: a message whose envelope header could not be read", nack_unreadable()),
+    "chunk": chunk_text,
+    "nack-missing": lambda: envelope_text(f"nack on {DOWN}: the chunked upload above went stale without chunk 0", nack_missing()),
+    "done": lambda: envelope_text(f"the last round announcement on {ROUND} (retained): the run is over", done_announcement()),
+    "presence": presence_text,
+}
+
+BLOCK = re.compile(r"(<!-- example: ([a-z0-9-]+) -->\n```text\n)(.*?)(```)", re.S)
+
+
+def test_the_doc_shows_every_example_exactly_as_the_code_builds_it():
+    doc = PROTOCOL.read_text()
+    found = [m.group(2) for m in BLOCK.finditer(doc)]
+    assert sorted(found) == sorted(EXAMPLES), "every example once, and no marker without an example"
+    if WRITE:
+        PROTOCOL.write_text(BLOCK.sub(lambda m: m.group(1) + EXAMPLES[m.group(2)]() + "\n" + m.group(4), doc))
+        return
+    stale = [m.group(2) for m in BLOCK.finditer(doc) if m.group(3) != EXAMPLES[m.group(2)]() + "\n"]
+    assert not stale, f"docs/PROTOCOL.md examples differ from the code: {stale} (EDGEFL_WRITE_DOCS=1 rewrites them)"
+
+
+# --- the examples are what a receiver accepts -----------------------------------------------------
+ENVELOPES = {"round": round_announcement, "done": done_announcement, "download-none": download_none,
+             "download-fedhe-first": download_fedhe_first, "download-fedhe": download_fedhe, "evaluate": evaluate_request,
+             "upload-status": status_upload, "upload-class-logits": class_logits_upload, "upload-evaluation": evaluation_upload,
+             "ack": ack, "ack-late": ack_late, "nack": nack, "nack-unreadable": nack_unreadable, "nack-missing": nack_missing,
+             "chunk": last_chunk}
+
+
+@pytest.mark.parametrize("name", sorted(ENVELOPES))
+def test_every_example_envelope_unpacks_and_its_body_decodes(name):
+    data = ENVELOPES[name]()
+    assert len(data) <= 1000, "examples stay small"
+    env = unpack(data, 1 << 20)
+    assert header_problem(env.header()) is None and pack(env) == data
+    assert (env.reply_to is None) == (env.type not in ("ack", "nack") or name == "nack-unreadable")
+    if env.codec == "safetensors":
+        message = decode(env.body)
+        assert message.sender == env.sender
+        if env.type == "upload":
+            assert message.message_id == env.message_id and message.round == env.round == env.model_version
+            assert env.extra["tensors"] == tensor_manifest(message.tensors)
+
+
+def test_the_chunk_example_reassembles_into_its_upload():
+    inner, chunks = chunked_upload()
+    assert len(chunks) == 2 and all(len(c) < 8192 for c in chunks)
+    assert len(chunks[-1]) <= 1000, "the last chunk is the one the doc shows in full"
+    reassembler = Reassembler(1 << 20)
+    assert reassembler.add(unpack(chunks[1], 1 << 20)) is None
+    assert reassembler.missing(DEVICE, CHUNK_INNER_ID) == [0]  # what the example nack lists
+    assert reassembler.add(unpack(chunks[0], 1 << 20)) == inner
+    upload = unpack(inner, 1 << 20)
+    assert upload.message_id == CHUNK_INNER_ID == unpack(nack_missing(), 1 << 20).reply_to
+    assert decode(upload.body).tensors["head.weight"].shape == (10, 85)
+
+
+# --- the doc's tables are the registries ------------------------------------------------------------
+def _rows(text: str) -> dict[str, list[str]]:
+    """First cell (without backticks) -> the other cells, of every markdown table row."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def _kinds(cell: str) -> set[str]:
+    return set(re.findall(r"`([a-z_]+)`", cell))
+
+
+def test_the_doc_lists_what_every_method_uploads_and_downloads():
+    from edgefl.methods import METHODS
+
+    rows = _rows(PROTOCOL.read_text().split("<!-- methods-table -->")[1].split("\n\n")[1])
+    assert set(rows) == set(METHODS)
+    for name, spec in METHODS.items():
+        assert _kinds(rows[name][0]) == set(spec.uploads), name
+        assert _kinds(rows[name][1]) == set(spec.downloads), name
+
+
+def test_the_doc_describes_every_message_kind():
+    doc = PROTOCOL.read_text()
+    for kind in MESSAGE_KINDS:
+        assert f"#### `{kind}`" in doc, kind
+
+
+def test_the_doc_lists_every_header_field_and_whether_it_is_required():
+    rows = _rows(PROTOCOL.read_text().split("<!-- header-fields -->")[1].split("\n\n")[1])
+    assert set(rows) == set(HEADER_FIELDS)
+    for name, (_, required) in HEADER_FIELDS.items():
+        assert rows[name][1].startswith("always") == required, name
+
+
+def test_config_md_documents_every_network_setting_with_its_default():
+    from edgefl.config import NetworkSettings
+
+    text = CONFIG.read_text()
+    section = text.split("\n[network]")[1].split("\n[")[0].split("```")[0]
+    values = tomllib.loads(section)
+    commented = set(re.findall(r"^# ?([a-z_]+) = ", section, re.M))
+    assert set(values) | commented == set(NetworkSettings.model_fields)
+    for name, value in values.items():
+        assert value == NetworkSettings.model_fields[name].default, name
+    NetworkSettings.model_validate(values)
