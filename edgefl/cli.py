@@ -28,6 +28,7 @@ def simulate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
 ) -> None:
     """Run a federated training job in one process on a simulated fleet."""
+    from edgefl.build import build_run
     from edgefl.config import load_config
     from edgefl.report import accuracy_table, communication_table, draw_plots
     from edgefl.rundir import RunDir
@@ -37,12 +38,13 @@ def simulate(
     if show_config:
         out.print(cfg.to_toml(), markup=False, highlight=False)
         return
+    parts = build_run(cfg)  # config, data and models checked before anything is written
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
     n = cfg.fleet.num_clients
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
     try:
-        Simulation(cfg, run, console=err, show_progress=not quiet).run()
+        summary = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts).run()
     except KeyboardInterrupt:
         done = len(run.metrics()) if (run.path / "metrics.jsonl").is_file() else 0
         if done:
@@ -61,6 +63,20 @@ def simulate(
         except EdgeflError as exc:  # the run itself is saved: say so, then fail
             err.print(f"[red]export failed[/]: {exc}\nthe run is complete in {run.path}; retry with `edgefl export {run.path}`")
             raise typer.Exit(1) from None
+    _fail_on_failed_rounds(summary, run.path)
+
+
+#: exit status of a run that finished but in which rounds failed (no quorum by the deadline)
+EXIT_ROUNDS_FAILED = 3
+
+
+def _fail_on_failed_rounds(summary: dict, run_path: Path) -> None:
+    """A run whose rounds failed did not achieve what was asked: say which, exit non-zero."""
+    failed = summary.get("failed_rounds") or []
+    if failed:
+        err.print(f"[red]{len(failed)} of {summary.get('rounds', '?')} rounds failed[/] (rounds {failed}): no quorum by the "
+                  f"deadline; each device's receipt is in {run_path / 'metrics.jsonl'}")
+        raise typer.Exit(EXIT_ROUNDS_FAILED)
 
 
 def _fleet_printer(console: Console, total: int):
@@ -99,20 +115,21 @@ def fleet(
     preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted")] = "demo",
 ) -> None:
     """A fleet on this machine: a broker, the server and one process per device, over MQTT."""
+    from edgefl.build import build_run
     from edgefl.config import load_config
     from edgefl.fleet.launcher import run_fleet
     from edgefl.rundir import RunDir
 
     cfg = load_config(config, set_, preset)
+    parts = build_run(cfg)  # config, data and models checked before anything is written
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
-    summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds))
+    summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds), parts=parts)
     acc = summary["final_accuracy"]
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
-    if summary["failed_rounds"]:
-        out.print(f"failed rounds: {summary['failed_rounds']}")
     out.print(f"run directory: {run.path}")
+    _fail_on_failed_rounds(summary, run.path)
 
 
 @app.command()
@@ -129,11 +146,13 @@ def server(
     """Run the server half of a config over MQTT (the GPU server of a real fleet)."""
     import os
 
+    from edgefl.build import build_run
     from edgefl.config import load_config
     from edgefl.fleet.launcher import serve
     from edgefl.rundir import RunDir
 
     cfg = load_config(config, set_, "demo")
+    parts = build_run(cfg)  # config, data and models checked before anything is written
     if resume:
         if out_dir is None:
             raise EdgeflError("--resume needs --out: the run directory of the interrupted run")
@@ -142,9 +161,10 @@ def server(
         run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
     summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds), username, os.environ.get(password_env),
-                    str(ca_file) if ca_file else None, resume=resume)
+                    str(ca_file) if ca_file else None, resume=resume, parts=parts)
     acc = summary["final_accuracy"]
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
+    _fail_on_failed_rounds(summary, run.path)
 
 
 @app.command()

@@ -17,7 +17,9 @@ It acts on what the server sends:
 With a :class:`~edgefl.device_state.DeviceStateStore` the device saves its model, what its
 method carries and the upload after every round it trains, and starts from them again after a
 crash (:meth:`restore`): the server resends the download of the round it is waiting for, and
-the device answers with the saved upload or retrains that round from the saved state.
+the device answers with the saved upload or retrains that round from the saved state. The saved
+state is applied only when the server's first message names the run that saved it (``info.run``):
+a new run of the same config starts afresh.
 
 The loop is event-driven (:meth:`handle` one delivery, :meth:`tick` for resends) so the same code
 runs blocking over MQTT (:meth:`run`) and stepped by the simulation's in-memory network.
@@ -85,22 +87,42 @@ class DeviceLoop:
         self.results: dict[int, dict[str, Any]] = {}
         self.last_work: WorkDone | None = None
         self.state = state
-        self.resumed_from: int | None = None  # the round whose saved state this loop started from
+        self.resumed_from: int | None = None  # the round whose saved state this loop continued from
+        self._saved: tuple[int, str | None, dict[str, torch.Tensor], bytes] | None = None  # loaded, not yet applied
+        self.run_id: str | None = None  # the server's run id (info.run), once a message named it
 
     def restore(self) -> int | None:
-        """Continue from the saved state, when there is one: returns its round (None: none)."""
+        """Load the saved state, when there is one (returns its round; None: none). It is applied
+        when the server's first message shows the same run, else dropped (:meth:`_adopt_run`)."""
         if self.state is None:
             return None
-        saved = self.state.load()
-        if saved is None:
-            return None
-        round_no, tensors, upload = saved
+        self._saved = self.state.load()
+        return None if self._saved is None else self._saved[0]
+
+    @staticmethod
+    def _run_of(env: Envelope) -> str | None:
+        info = env.extra.get("info")
+        return info.get("run") if isinstance(info, dict) and isinstance(info.get("run"), str) else None
+
+    def _adopt_run(self, env: Envelope) -> None:
+        """The server's run, from any message naming it except a final announcement (that may be
+        the retained end of an earlier run); the saved state is applied or dropped then."""
+        run = self._run_of(env)
+        if run is None or run == self.run_id or (env.type == "round" and env.extra.get("info", {}).get("done")):
+            return
+        self.run_id = run
+        if self._saved is None:
+            return
+        round_no, saved_run, tensors, upload = self._saved
+        self._saved = None
+        if saved_run != run:
+            log.warning("%s: the saved state is from another run (%s); starting afresh", self.device, saved_run)
+            return
         self.client.load_carry_state(tensors)
         self.served[round_no] = unpack(upload, self.net.max_message_bytes)
         self.latest_round = max(self.latest_round, round_no)
         self.resumed_from = round_no
-        log.info("%s: resumed from the state saved after round %d", self.device, round_no)
-        return round_no
+        log.warning("%s: continuing from the state it saved after round %d", self.device, round_no)
 
     # --- incoming -----------------------------------------------------------------------------
     def handle(self, item: Delivery) -> None:
@@ -113,9 +135,9 @@ class DeviceLoop:
         if env.sender != "server":
             log.warning("%s: ignoring a message from %r", self.device, env.sender)
             return
+        self._adopt_run(env)
         if item.channel == "announcement":
-            self.latest_round = max(self.latest_round, env.round)
-            self.finished = bool(env.extra.get("info", {}).get("done"))
+            self._announcement(env)
             return
         if env.type == "chunk":
             try:
@@ -126,6 +148,7 @@ class DeviceLoop:
             if whole is None:
                 return
             env = unpack(whole, self.net.max_message_bytes)
+            self._adopt_run(env)
         if env.type == "download":
             self._serve(env)
         elif env.type == "evaluate":
@@ -134,6 +157,19 @@ class DeviceLoop:
             self._answered(env)
         elif env.type == "nack":  # the server could not tell which message it refuses
             log.warning("%s: the server refused a message: %s", self.device, str(env.extra.get("reason"))[:300])
+
+    def _announcement(self, env: Envelope) -> None:
+        run = self._run_of(env)
+        if not env.extra.get("info", {}).get("done"):
+            self.latest_round = max(self.latest_round, env.round)
+            return
+        if run is not None and run != self.run_id:
+            # the retained end of a run this device never took part in (an earlier run of the same
+            # federation): the server of the next run replaces it when it starts
+            log.warning("%s: the announced run %s is over and this device took no part in it; waiting for the "
+                        "server's next run (--timeout ends the wait)", self.device, run)
+            return
+        self.finished = True
 
     # --- acting ---------------------------------------------------------------------------------
     def _downlink(self, env: Envelope) -> Message | None:
@@ -151,7 +187,7 @@ class DeviceLoop:
         for old in [k for k in self.served if k < r - 1]:
             del self.served[old]
         if self.state is not None:  # before sending: a crash after the send resends this very upload
-            self.state.save(r, self.client.carry_state(), pack(upload))
+            self.state.save(r, self.run_id, self.client.carry_state(), pack(upload))
         self._send(upload)
 
     def train(self, env: Envelope) -> Envelope:

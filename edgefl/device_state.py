@@ -7,7 +7,8 @@ After every round it trains, the device writes, before it sends the upload:
   (:meth:`~edgefl.algorithms.ClientHalf.carry_state`);
 * ``upload.edfl``: the packed upload it is about to send (resent unchanged, same id, when the
   server asks for that round again after the restart: the server counts it once);
-* ``state.json``: the round, the federation, the device id and a digest of the config.
+* ``state.json``: the round, the run (the server's ``info.run``), the federation, the device id
+  and a digest of the config.
 
 Each file is written to a temporary name, flushed and renamed, and ``state.json`` last: a crash
 at any moment leaves the previous round's complete state. Training is seeded by (seed, device,
@@ -49,19 +50,19 @@ class DeviceStateStore:
         self.directory = Path(directory)
         self.identity = {"format": FORMAT, "device": device, "federation": federation, "config_sha256": config_sha256}
 
-    def save(self, round_no: int, carry: dict[str, torch.Tensor], upload: bytes) -> None:
+    def save(self, round_no: int, run: str | None, carry: dict[str, torch.Tensor], upload: bytes) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _atomic_write(self.directory / CARRY, lambda p: save_file({k: v.contiguous() for k, v in carry.items()}, str(p)))
             _atomic_write(self.directory / UPLOAD, lambda p: p.write_bytes(upload))
             _atomic_write(self.directory / STATE_JSON,
-                          lambda p: p.write_text(json.dumps({**self.identity, "round": round_no}, sort_keys=True)))
+                          lambda p: p.write_text(json.dumps({**self.identity, "round": round_no, "run": run}, sort_keys=True)))
         except OSError as exc:
             raise EdgeflError(f"cannot save the device state in {self.directory}: {exc.strerror or exc}",
                               hint="free some space or pass a writable --state-dir") from None
 
-    def load(self) -> tuple[int, dict[str, torch.Tensor], bytes] | None:
-        """(round, carried tensors, packed upload) of the last round saved; None when the folder
+    def load(self) -> tuple[int, str | None, dict[str, torch.Tensor], bytes] | None:
+        """(round, run, carried tensors, packed upload) of the last round saved; None when the folder
         holds no state. State of another device, federation or config is an error, not ignored:
         continuing from it would silently mix two runs."""
         path = self.directory / STATE_JSON
@@ -81,4 +82,5 @@ class DeviceStateStore:
             differs = ", ".join(k for k in self.identity if theirs[k] != self.identity[k])
             raise EdgeflError(f"the device state in {self.directory} belongs to another run ({differs} differ)",
                               hint="pass another --state-dir, or delete that folder to start this device afresh")
-        return info["round"], tensors, upload
+        run = info.get("run") if isinstance(info.get("run"), str) else None
+        return info["round"], run, tensors, upload

@@ -21,6 +21,7 @@ import logging
 import math
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,7 @@ class RoundState:
     receipts: dict[str, str] = field(default_factory=dict)  # device -> "status[: reason]"
     rejected: Rejections = field(default_factory=Rejections)
     offline_since: dict[str, float] = field(default_factory=dict)  # selected, unreported devices gone offline
+    refused: set[str] = field(default_factory=set)  # selected devices whose upload for this round was refused
     late: list[str] = field(default_factory=list)
     extended: bool = False
     bytes_up: dict[str, int] = field(default_factory=dict)
@@ -109,6 +111,9 @@ class Orchestrator:
         # started is refused, so nobody can fill a device's slot in advance
         self.accept_early = False
         self._strangers: dict[str, float] = {}  # unknown device id -> when it was last nacked
+        # names this run in announcements and downloads (info.run): a device's saved state is used
+        # only in the run that saved it, not in a later run of the same config (kept on resume)
+        self.run_id = uuid.uuid4().hex[:16]
         self.last_round = 0  # the last round closed (restored on resume)
         self._connects_seen = transport.connects if transport is not None else 0
         self._evaluation: dict[str, float] | None = None  # answers to evaluate requests, while collected
@@ -135,7 +140,8 @@ class Orchestrator:
         return self.state.round if self.state else self.last_round
 
     def announce(self, round_no: int, info: dict[str, Any]) -> None:
-        env = Envelope("round", self.federation, round_no, "server", model_version=round_no, extra={"info": info})
+        env = Envelope("round", self.federation, round_no, "server", model_version=round_no,
+                       extra={"info": {**info, "run": self.run_id, "classes": getattr(self.server, "num_classes", None)}})
         self.transport.announce(pack(env))
 
     # --- receiving ----------------------------------------------------------------------------
@@ -352,6 +358,9 @@ class Orchestrator:
         if device not in self._known:
             return
         extra: dict[str, Any] = {"reason": reason[:500]}
+        st = self.state
+        if env is not None and env.type == "upload" and st is not None and env.round == st.round and device in st.selected:
+            st.refused.add(device)
         if env is not None:
             reply_to = answerable_id(env.header())
             if env.type == "chunk":
@@ -386,8 +395,11 @@ class Orchestrator:
 
     # --- rounds -------------------------------------------------------------------------------
     def wait_for_devices(self, timeout_s: float) -> list[str]:
-        """Before the first round: wait until every device is online (its subscription exists, so
-        its downloads are queued for it from now on) or the timeout passes; returns who is missing."""
+        """Before the first round: announce this run (replacing the retained end of an earlier
+        run of the same federation, which devices would otherwise read as "done"), then wait until
+        every device is online (its subscription exists, so its downloads are queued for it from
+        now on) or the timeout passes; returns who is missing."""
+        self.announce(self.last_round, {"selected": [], "deadline_unix": time.time(), "rounds": self.cfg.rounds, "done": False})
         end = self.transport.now() + timeout_s
         while self.transport.now() < end and not all(self.online.get(d) for d in self.device_ids):
             item = self.transport.receive(min(end - self.transport.now(), 0.5))
@@ -410,7 +422,7 @@ class Orchestrator:
         self.announce(r, {"selected": selected, "deadline_unix": time.time() + self.deadline_s, "rounds": self.cfg.rounds,
                           "done": False})
         # devices judge their own models only when no global model will judge them
-        info = {"info": {"evaluate": True}} if evaluate and self.evaluator.devices_report(self.server) else {}
+        info = {"info": {"run": self.run_id, **({"evaluate": True} if evaluate and self.evaluator.devices_report(self.server) else {})}}
         for device in selected:
             down = self.server.downlink(r, device)
             body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
@@ -474,10 +486,12 @@ class Orchestrator:
             self._pump(min(remaining, 1.0))
 
     def _all_gone(self, st: RoundState) -> bool:
-        """Every selected device that has not reported has been offline for ``offline_grace_s``."""
-        waiting = [d for d in st.selected if d not in st.reported]
+        """Every selected device that has not reported has had its upload refused, or has been
+        offline for ``offline_grace_s``: nobody is left to wait for."""
+        waiting = [d for d in st.selected if d not in st.reported and d not in st.refused]
         now = self.transport.now()
-        return bool(waiting) and all(now - st.offline_since.get(d, math.inf) >= self.net.offline_grace_s for d in waiting)
+        return len(st.reported) < len(st.selected) and all(
+            now - st.offline_since.get(d, math.inf) >= self.net.offline_grace_s for d in waiting)
 
     def _note_stragglers(self, st: RoundState) -> None:
         """Selected devices whose work is known to be still under way when the round closed (only
@@ -505,7 +519,8 @@ class Orchestrator:
         for device in targets:
             down = self.server.downlink(r + 1, device)
             body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
-            self._send(device, Envelope("evaluate", self.federation, r, "server", body, model_version=r, codec=codec))
+            self._send(device, Envelope("evaluate", self.federation, r, "server", body, model_version=r, codec=codec,
+                                        extra={"info": {"run": self.run_id}}))
         deadline = self.transport.now() + self.deadline_s
         while set(self._evaluation) < set(targets) and self.transport.now() < deadline:
             self._pump(min(deadline - self.transport.now(), 1.0))

@@ -92,6 +92,8 @@ class RunSession:
         self.orchestrator.history = history
         self.orchestrator.last_round = done
         self.orchestrator.accept_early = True  # uploads devices queued while the server was down
+        if isinstance(extra.get("run_id"), str):
+            self.orchestrator.run_id = extra["run_id"]
         return done + 1
 
     # --- rounds ---------------------------------------------------------------------------------
@@ -103,7 +105,7 @@ class RunSession:
         if self.save_state_each_round:
             # after every round, so a restarted server resumes where this one stopped
             save_state(self.server, self.run_dir.path / STATE_FILE,
-                       {"round": record["round"], "config_sha256": config_digest(self.cfg),
+                       {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.orchestrator.run_id,
                         "device_accuracy": self.evaluator.device_accuracy})
 
     def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

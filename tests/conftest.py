@@ -11,6 +11,14 @@ def _few_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _own_device_state(tmp_path, monkeypatch):
+    # `edgefl client` keeps its state under $XDG_STATE_HOME: each test (and every device process
+    # it starts) gets its own, so no test resumes from another's saved rounds
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    yield
+
+
 def digits_config(method: str = "fedhe", rounds: int = 2, **overrides) -> dict:
     """A tiny real-data run (scikit-learn digits, 8x8) that finishes in seconds."""
     cfg = {

@@ -317,7 +317,8 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
             elif env.type == "ack":
                 acks.append(env.extra.get("status"))
         rogue.stop(offline=False)
-        procs.append(_device(path, broker, "client-1"))  # the real client-1 comes up too (its upload is a second one)
+        # the real client-1 comes up too, after the run ended: it waits for a next run until its timeout
+        procs.append(_device(path, broker, "client-1", timeout=8))
         t.join(timeout=120)
         for p in procs:
             p.wait(timeout=30)

@@ -160,8 +160,9 @@ def download_idx(
 def _missing_hint(name: str, data_dir: str | Path | None) -> str:
     places = ", ".join(str(r) for r in search_roots(data_dir))
     pkg = IDX_SOURCES[name].debian_package
-    apt = f"`apt-get install {pkg}`, " if pkg else ""
-    return f"looked in {places}; install it with {apt}put the four IDX files in one of those folders, or pass --data-dir"
+    install = f"install it (apt-get install {pkg}), or put" if pkg else "put"
+    return (f"looked in {places}; {install} the four IDX files in one of those folders, or point the config at them: "
+            f"data.data_dir = \"DIR\" (on the command line: --set data.data_dir=DIR)")
 
 
 def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bool = True) -> Dataset:

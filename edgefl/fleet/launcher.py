@@ -26,7 +26,7 @@ from typing import Any
 
 from rich.console import Console
 
-from edgefl.build import build_run, federation_name
+from edgefl.build import RunParts, build_run, federation_name
 from edgefl.config import RunConfig
 from edgefl.rundir import RunDir
 from edgefl.transport.topics import Topics, device_ids
@@ -75,9 +75,10 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     try:
         store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
         loop = DeviceLoop(client, transport, topics.federation, cfg.network, parts.x_test, parts.y_test, cfg.eval.batch_size, store)
-        resumed = loop.restore()
-        if resumed is not None:
-            log.warning("%s: resuming from the state it saved after round %d (%s)", device_id, resumed, state_dir)
+        saved = loop.restore()
+        if saved is not None:
+            log.warning("%s: found the state it saved after round %d in %s (used if the server runs the same run)",
+                        device_id, saved, state_dir)
         return loop.run(timeout_s)
     finally:
         transport.close()
@@ -86,8 +87,9 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
 def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console | None = None,
           on_event: Callable[[str, dict[str, Any]], None] | None = None,
           username: str | None = None, password: str | None = None, ca_file: str | None = None,
-          join_timeout_s: float | None = None, resume: bool = False) -> dict[str, Any]:
-    """Run the server side of ``cfg`` against the devices that join through ``broker``."""
+          join_timeout_s: float | None = None, resume: bool = False, parts: RunParts | None = None) -> dict[str, Any]:
+    """Run the server side of ``cfg`` against the devices that join through ``broker`` (``parts``:
+    the run already built, so a caller can check config and data before it creates anything)."""
     from edgefl.server.session import RunSession
     from edgefl.transport.mqtt import MqttServerTransport
 
@@ -95,7 +97,7 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
         import torch
 
         torch.set_num_threads(cfg.threads)
-    parts = build_run(cfg)
+    parts = parts if parts is not None else build_run(cfg)
     topics = Topics(federation(cfg))
     # not connected yet: a resume is checked before any connection is made
     session = RunSession(parts, None, topics.federation, runner="fleet", run_dir=run_dir,
@@ -120,7 +122,7 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
 
 def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, console: Console | None = None,
               broker: str | None = None, device_timeout_s: float = 600.0, broker_kind: str = "auto",
-              on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_event: Callable[[str, dict[str, Any]], None] | None = None, parts: RunParts | None = None) -> dict[str, Any]:
     """A broker (mosquitto on a free loopback port unless ``broker`` is given), the server in this
     process and one ``edgefl client`` process per device."""
     from edgefl.fleet.broker import mosquitto_binary, start_embedded, start_mosquitto
@@ -155,7 +157,7 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
                      "--device-id", device, "--timeout", str(device_timeout_s), "--state-dir", str(work / "state" / device)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         console.print(f"started {len(procs)} device processes (logs in {logs})")
-        summary = serve(cfg, broker, run_dir, console, on_event)
+        summary = serve(cfg, broker, run_dir, console, on_event, parts=parts)
         deadline = time.monotonic() + 60
         for device, proc in procs.items():
             try:

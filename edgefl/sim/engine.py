@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgefl.algorithms import ClientHalf
-from edgefl.build import DeviceSlot, build_client, build_run, federation_name
+from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federation_name
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
 from edgefl.device import DeviceLoop, WorkDone
@@ -37,6 +37,7 @@ class Simulation:
         dataset: Dataset | None = None,
         show_progress: bool = True,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        parts: RunParts | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
@@ -45,7 +46,7 @@ class Simulation:
         self.on_round = on_round
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.parts = build_run(cfg, dataset)
+        self.parts = parts if parts is not None else build_run(cfg, dataset)
         self.ds, self.slots = self.parts.ds, self.parts.slots
         self.slot_of = {s.client_id: s for s in self.slots}
         self.x_test, self.y_test = self.parts.x_test, self.parts.y_test

@@ -1,0 +1,137 @@
+"""Devices that crash: a device killed mid-round resumes from its own saved state and the run ends
+with the fault-free numbers; a round whose devices all died closes at once and the run exits
+non-zero. Real mosquitto, real device processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from edgefl.transport.link import BrokerAddress, Link
+from edgefl.transport.topics import Topics
+from edgefl.transport.envelope import unpack
+from tests.mosquitto import mosquitto
+from tests.test_fleet import _server_thread, fleet_config, wait_online
+
+
+def _device(cfg_path, broker, device, state_dir, log_path, timeout=150):
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "edgefl", "client", "--broker", broker, "--config", str(cfg_path),
+                                 "--device-id", device, "--timeout", str(timeout), "--state-dir", str(state_dir)],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_a_device_killed_mid_round_resumes_from_its_saved_state_and_the_run_ends_as_without_the_fault(tmp_path):
+    from edgefl.sim import Simulation
+
+    # FedHe: every device keeps a personal model and the server's logits between rounds, so a
+    # device restarted from its initial weights would end with other numbers
+    cfg = fleet_config("fedhe", rounds=3, round_deadline_s=90, ack_timeout_s=2, federation="device-crash")
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    ids = [f"client-{i}" for i in range(4)]
+    state = {d: tmp_path / "state" / d for d in ids}
+    logs = {d: tmp_path / f"{d}.log" for d in ids}
+    with mosquitto(tmp_path) as broker:
+        procs = {d: _device(path, broker, d, state[d], logs[d]) for d in ids}
+        wait_online(broker, "device-crash", ids)
+        killed = threading.Event()
+
+        def on_event(kind, info):
+            if kind == "round" and info["round"] == 2 and not killed.is_set():
+                procs["client-0"].send_signal(signal.SIGKILL)  # its round-2 download is out: mid-round
+                killed.set()
+
+        results: dict = {}
+        from edgefl.fleet.launcher import serve
+
+        def target():
+            try:
+                results["summary"] = serve(cfg, broker, None, join_timeout_s=5, on_event=on_event)
+            except BaseException as exc:
+                results["error"] = exc
+
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        assert killed.wait(120), "round 2 never started"
+        procs["client-0"].wait(timeout=10)
+        saved = json.loads((state["client-0"] / "state.json").read_text())
+        assert saved["round"] in (1, 2) and saved["device"] == "client-0"
+        procs["client-0"] = _device(path, broker, "client-0", state["client-0"], logs["client-0"])  # restarted
+        t.join(timeout=180)
+        codes = {d: p.wait(timeout=60) for d, p in procs.items()}
+    assert "error" not in results, results.get("error")
+    assert set(codes.values()) == {0}, codes
+    assert "continuing from the state it saved after round" in logs["client-0"].read_text()
+    summary = results["summary"]
+    assert [h["outcome"] for h in summary["history"]] == ["complete"] * 3
+    fault_free = Simulation(cfg, show_progress=False).run()  # a fleet equals its simulation bit for bit (test_fleet)
+    assert summary["final_accuracy"]["per_client"] == fault_free["final_accuracy"]["per_client"]
+    assert summary["final_accuracy"]["overall"] == fault_free["final_accuracy"]["overall"]
+
+
+def test_a_device_ignores_saved_state_from_another_run_of_the_same_config(tmp_path):
+    """Two runs of one config (same federation, same device ids): the second starts afresh."""
+    cfg = fleet_config("fedhe", rounds=1, round_deadline_s=60, federation="rerun")
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    ids = [f"client-{i}" for i in range(4)]
+    finals = []
+    with mosquitto(tmp_path) as broker:
+        for attempt in range(2):
+            logs = {d: tmp_path / f"{d}-{attempt}.log" for d in ids}
+            procs = [_device(path, broker, d, tmp_path / "state" / d, logs[d]) for d in ids]
+            wait_online(broker, "rerun", ids)
+            results: dict = {}
+            _server_thread(cfg, broker, results).join(timeout=120)
+            assert "error" not in results, results.get("error")
+            finals.append(results["summary"]["final_accuracy"])
+            assert [p.wait(timeout=60) for p in procs] == [0] * 4
+        assert "from another run" in logs["client-0"].read_text()
+    assert finals[0] == finals[1]
+
+
+def test_a_round_whose_devices_all_died_closes_at_once_and_the_server_exits_non_zero(tmp_path):
+    # long local training, so the devices die mid-round; a deadline far beyond what the test waits
+    cfg = fleet_config("fedavg", rounds=2, round_deadline_s=300, keepalive_s=1, offline_grace_s=1, federation="all-dead")
+    raw = cfg.to_dict()
+    raw["train"]["epochs"] = 300
+    path = tmp_path / "run.toml"
+    from edgefl.config import RunConfig
+
+    path.write_text(RunConfig.model_validate(raw).to_toml())
+    ids = [f"client-{i}" for i in range(4)]
+    out = tmp_path / "run"
+    with mosquitto(tmp_path) as broker:
+        procs = [_device(path, broker, d, tmp_path / "state" / d, tmp_path / f"{d}.log") for d in ids]
+        wait_online(broker, "all-dead", ids)
+        topics = Topics("all-dead")
+        watcher = Link(BrokerAddress.parse(broker), "watch-all-dead", [topics.rounds]).start()
+        t0 = time.monotonic()
+        server = subprocess.Popen([sys.executable, "-m", "edgefl", "server", "--broker", broker, "--config", str(path),
+                                   "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            while time.monotonic() - t0 < 120:  # the first round's announcement: the devices are training
+                item = watcher.get(0.5)
+                if item is not None and item.topic == topics.rounds and len(item.payload) > 9 \
+                        and unpack(item.payload, 1 << 20).round == 1:
+                    break
+            for p in procs:
+                p.send_signal(signal.SIGKILL)  # every device crashes at once
+            _, stderr = server.communicate(timeout=120)
+        finally:
+            watcher.stop(offline=False)
+            if server.poll() is None:
+                server.kill()
+    elapsed = time.monotonic() - t0
+    assert server.returncode == 3, stderr[-2000:]
+    assert "2 of 2 rounds failed" in stderr
+    assert elapsed < 90, f"the rounds waited for their {cfg.network.round_deadline_s} s deadline ({elapsed:.0f} s)"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed_rounds"] == [1, 2]
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(h["outcome"] == "failed" and h["reported"] == [] for h in history)
