@@ -162,7 +162,8 @@ class ClockSettings(Strict):
 
 
 class NetworkSettings(Strict):
-    """How a fleet run talks over MQTT (docs/PROTOCOL.md); a simulation ignores it."""
+    """How the round loop talks to devices (docs/PROTOCOL.md): deadlines, quorum, chunking and
+    limits; a simulation plays the same rules over its in-memory network, in virtual seconds."""
 
     federation: str | None = Field(None, description="topic prefix of this federation (default: the run name)")
     round_deadline_s: float = Field(120.0, gt=0, description="a round closes at this deadline when not every device reported")

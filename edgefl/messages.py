@@ -50,7 +50,8 @@ MAX_RANK = 8
 MESSAGE_KINDS: dict[str, str] = {
     "weights": "parameter and buffer names -> values (FedIN adds pairs.s_in / pairs.s_out)",
     "class_logits": "logits [k, C] F32, classes [k] I64, counts [k] I64 (uplink); logits [C, C] F32, mask [C] BOOL (downlink)",
-    "class_features": "weights plus knowledge.features / knowledge.logits / knowledge.classes / knowledge.counts",
+    "class_features": "weights plus class.features / class.logits / class.classes / class.counts (uplink); "
+                      "class.features / class.logits / class.mask (downlink)",
     "decoder": "a CVAE's decoder.* parameters; meta: class_counts, latent",
     "head": "weight [C, E] and bias [C] of the shared head",
     "status": "none: a device that trained and shares nothing (local-only); meta: num_samples, train_loss, eval_accuracy",
@@ -116,7 +117,7 @@ def _read_header(data: bytes) -> dict[str, Any]:
             continue
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise PayloadError(f"tensor {name[:64]!r}: a header entry is {{dtype, shape, data_offsets}}")
-        if info["dtype"] not in ALLOWED_DTYPES:
+        if not isinstance(info["dtype"], str) or info["dtype"] not in ALLOWED_DTYPES:
             raise PayloadError(f"tensor {name[:64]!r}: dtype {str(info['dtype'])[:16]} not allowed")
         shape, offsets = info["shape"], info["data_offsets"]
         if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(type(d) is int and d >= 0 for d in shape)):

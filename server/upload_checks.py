@@ -1,7 +1,7 @@
 """Method-independent checks of a decoded upload: its meta numbers and its tensors' values.
 
 A device's numbers reach the headline accuracy, the metrics and the weighting of averages, so
-every one is range-checked here before a method sees the upload (docs/PROTOCOL.md section 7):
+every one is range-checked here before a method sees the upload (docs/PROTOCOL.md sections 4.3 and 7):
 
 * ``num_samples``: an integer in 1..:data:`MAX_SAMPLES`;
 * ``eval_accuracy``: a number in [0, 1] (``1`` as well as ``1.0``); ``train_loss``: finite;

@@ -140,38 +140,45 @@ def evaluation_upload() -> bytes:
     return _upload(Message("evaluation", 2, DEVICE, {}, {"num_samples": 121, "eval_accuracy": 0.75}, message_id=ident(0x301)), 2)
 
 
+RUN = "5f3a9c0e12d47b86"  # a run id (info.run), as the server draws one
+
+
 def round_announcement() -> bytes:
-    info = {"selected": ["client-0", "client-1"], "deadline_unix": DEADLINE_UNIX, "rounds": 3, "done": False}
+    info = {"selected": ["client-0", "client-1"], "deadline_unix": DEADLINE_UNIX, "rounds": 3, "done": False, "run": RUN, "classes": 3}
     return pack(Envelope("round", FED, 1, "server", message_id=ident(0x1), model_version=1, extra={"info": info}))
 
 
 def done_announcement() -> bytes:
-    return pack(Envelope("round", FED, 3, "server", message_id=ident(0x4), model_version=3, extra={"info": {"done": True, "rounds": 3}}))
+    return pack(Envelope("round", FED, 3, "server", message_id=ident(0x4), model_version=3,
+                         extra={"info": {"done": True, "rounds": 3, "run": RUN, "classes": 3}}))
 
 
 def download_none() -> bytes:
     return pack(Envelope("download", FED, 1, "server", b"", ident(0x2), model_version=1, codec="none",
-                         extra={"info": {"evaluate": True}}))
+                         extra={"info": {"evaluate": True, "run": RUN}}))
 
 
 def download_fedhe_first() -> bytes:
     # the server's message has its own id: only an upload's message and envelope share theirs
     message = Message("class_logits", 1, "server", {}, {"empty": True}, message_id=ident(0x1003))
-    return pack(Envelope("download", FED, 1, "server", encode(message), ident(0x3), model_version=1, codec="safetensors"))
+    return pack(Envelope("download", FED, 1, "server", encode(message), ident(0x3), model_version=1, codec="safetensors",
+                         extra={"info": {"run": RUN}}))
 
 
 def download_fedhe() -> bytes:
     logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 0.0, 0.0], [0.25, 1.5, -0.75]])
     message = Message("class_logits", 2, "server", {"logits": logits, "mask": torch.tensor([True, False, True])},
                       message_id=ident(0x1005))
-    return pack(Envelope("download", FED, 2, "server", encode(message), ident(0x5), model_version=2, codec="safetensors"))
+    return pack(Envelope("download", FED, 2, "server", encode(message), ident(0x5), model_version=2, codec="safetensors",
+                         extra={"info": {"run": RUN}}))
 
 
 def evaluate_request() -> bytes:
     weights = {"head.weight": torch.tensor([[0.5, -0.5], [1.0, 0.0], [-1.0, 0.25]]), "head.bias": torch.tensor([0.0, 0.125, -0.125])}
     # the global model as a download for round r + 1 would carry it, in an envelope of round r
     message = Message("weights", 3, "server", weights, {"arch": "mlp"}, message_id=ident(0x1006))
-    return pack(Envelope("evaluate", FED, 2, "server", encode(message), ident(0x6), model_version=2, codec="safetensors"))
+    return pack(Envelope("evaluate", FED, 2, "server", encode(message), ident(0x6), model_version=2, codec="safetensors",
+                         extra={"info": {"run": RUN}}))
 
 
 def ack() -> bytes:

@@ -51,7 +51,7 @@ HEADER_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "status": (str, False),  # ack: accepted | duplicate | late
     "reason": (str, False),  # nack: why
     "missing": (list, False),  # nack of an incomplete upload: missing chunk numbers
-    "info": (dict, False),  # round announcements and presence: small JSON facts
+    "info": (dict, False),  # round announcements, downloads and evaluate requests: small JSON facts
 }
 MAX_ID_CHARS = 64
 MIN_CHUNK_BYTES = 4096  # so a chunk count is bounded by the declared length (and a nack's missing list with it)
@@ -159,6 +159,10 @@ def header_problem(header: Any) -> str | None:
     for name in ("sender", "message_id", "federation"):
         if not (0 < len(header[name]) <= MAX_ID_CHARS):
             return f"header field {name!r} must be 1-{MAX_ID_CHARS} characters"
+    if header["reply_to"] is not None and not (0 < len(header["reply_to"]) <= MAX_ID_CHARS):
+        return f"header field 'reply_to' must be null or 1-{MAX_ID_CHARS} characters"
+    if "missing" in header and not all(type(i) is int and i >= 0 for i in header["missing"]):
+        return "header field 'missing' must list non-negative chunk numbers"
     body = header["body"]
     if not (set(body) == {"length", "sha256"} and isinstance(body["length"], int) and not isinstance(body["length"], bool)
             and body["length"] >= 0 and isinstance(body["sha256"], str) and len(body["sha256"]) == 64
@@ -175,7 +179,8 @@ def header_problem(header: Any) -> str | None:
                 return f"chunk field {key!r} must be a non-negative integer"
         if not isinstance(c.get("upload_id"), str) or not (0 < len(c["upload_id"]) <= MAX_ID_CHARS):
             return "chunk field 'upload_id' must be 1-64 characters"
-        if not isinstance(c.get("total_sha256"), str) or len(c["total_sha256"]) != 64:
+        if not isinstance(c.get("total_sha256"), str) or len(c["total_sha256"]) != 64 \
+                or not all(ch in "0123456789abcdef" for ch in c["total_sha256"]):
             return "chunk field 'total_sha256' must be 64 hex digits"
         if not (c["count"] >= 1 and c["seq"] < c["count"]):
             return f"chunk {c['seq']} of {c['count']} is out of range"
