@@ -67,7 +67,6 @@ class RoundState:
     receipts: dict[str, str] = field(default_factory=dict)  # device -> "status[: reason]"
     rejected: Rejections = field(default_factory=Rejections)
     offline_since: dict[str, float] = field(default_factory=dict)  # selected, unreported devices gone offline
-    refused: set[str] = field(default_factory=set)  # selected devices whose upload for this round was refused
     late: list[str] = field(default_factory=list)
     extended: bool = False
     bytes_up: dict[str, int] = field(default_factory=dict)
@@ -358,9 +357,6 @@ class Orchestrator:
         if device not in self._known:
             return
         extra: dict[str, Any] = {"reason": reason[:500]}
-        st = self.state
-        if env is not None and env.type == "upload" and st is not None and env.round == st.round and device in st.selected:
-            st.refused.add(device)
         if env is not None:
             reply_to = answerable_id(env.header())
             if env.type == "chunk":
@@ -486,9 +482,10 @@ class Orchestrator:
             self._pump(min(remaining, 1.0))
 
     def _all_gone(self, st: RoundState) -> bool:
-        """Every selected device that has not reported has had its upload refused, or has been
-        offline for ``offline_grace_s``: nobody is left to wait for."""
-        waiting = [d for d in st.selected if d not in st.reported and d not in st.refused]
+        """Every selected device that has not reported has been offline for ``offline_grace_s``:
+        nobody is left to wait for. (A refused upload does not count: the device may send a good
+        one, and a forged refusal must not end a device's round.)"""
+        waiting = [d for d in st.selected if d not in st.reported]
         now = self.transport.now()
         return len(st.reported) < len(st.selected) and all(
             now - st.offline_since.get(d, math.inf) >= self.net.offline_grace_s for d in waiting)
