@@ -126,12 +126,15 @@ class DeviceLoop:
 
     # --- incoming -----------------------------------------------------------------------------
     def handle(self, item: Delivery) -> None:
-        """Act on one delivery. Never raises on what the network brings: bad input is logged."""
+        """Act on one delivery. Never raises on what the network brings: bad input (a malformed
+        envelope, chunk or message body, wherever it shows) is logged and dropped."""
         try:
-            env = unpack(item.payload, self.net.max_message_bytes)
+            self._handle(item)
         except PayloadError as exc:
-            log.warning("%s: ignoring a malformed message on %s: %s", self.device, item.where or item.channel, exc)
-            return
+            log.warning("%s: ignoring a malformed message on %s: %s", self.device, item.where or item.channel, str(exc)[:300])
+
+    def _handle(self, item: Delivery) -> None:
+        env = unpack(item.payload, self.net.max_message_bytes)
         if env.sender != "server":
             log.warning("%s: ignoring a message from %r", self.device, env.sender)
             return
@@ -140,11 +143,7 @@ class DeviceLoop:
             self._announcement(env)
             return
         if env.type == "chunk":
-            try:
-                whole = self.reassembler.add(env)
-            except PayloadError as exc:
-                log.warning("%s: dropping a bad chunked download: %s", self.device, exc)
-                return
+            whole = self.reassembler.add(env)
             if whole is None:
                 return
             env = unpack(whole, self.net.max_message_bytes)

@@ -119,3 +119,22 @@ def test_a_run_ends_with_its_exports_and_export_command_reexports(tmp_path):
     # a wrong architecture is a clear error, not a traceback
     res = edgefl("export", str(weights), "--model", "lenet5")
     assert res.returncode != 0 and "holds a fedhe-cnn-0, not a lenet5" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("quorum, message", [("1.5", "a whole number"), ("9", "a round selects only")])
+def test_a_quorum_no_round_could_meet_is_a_config_error_not_clipped(quorum, message):
+    res = edgefl("simulate", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", f"network.quorum={quorum}", "--show-config")
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", ["simulate", "fleet", "server"])
+def test_missing_data_is_reported_before_anything_is_written(tmp_path, command):
+    out = tmp_path / "run"
+    args = [command, *(["--config"] if command == "server" else []), str(ROOT / "examples" / "fedhe_digits_quick.toml"),
+            "--set", "data.dataset=mnist", "--set", f"data.data_dir={tmp_path / 'nowhere'}", "--set", "data.download=false",
+            "--out", str(out), *(["--broker", "mqtt://127.0.0.1:1"] if command == "server" else [])]
+    res = edgefl(*args)
+    assert res.returncode == 2, res.stderr
+    assert "mnist not found" in res.stderr and "--set data.data_dir=DIR" in res.stderr and "Traceback" not in res.stderr
+    assert "install it with put" not in res.stderr
+    assert not out.exists()

@@ -303,3 +303,13 @@ def test_the_round_loop_never_raises_and_answers_its_own_devices(sim, payload, d
         answers = replies(sim)
         assert answers and answers[-1].type in ("nack", "ack")
     assert st_.round == 2
+
+
+def test_the_device_loop_drops_whatever_malformed_the_network_brings(sim):
+    """A device never dies of a message: junk, a download whose body does not decode, bad chunks."""
+    loop = sim.network.loops["client-0"]
+    bad_body = Envelope("download", "test-fedavg", 2, "server", b"not safetensors", codec="safetensors")
+    chunk = Envelope("chunk", "test-fedavg", 2, "server", b"z", codec="none",
+                     extra={"chunk": {"upload_id": "u1", "seq": 0, "count": 1, "total_length": 1, "total_sha256": "0" * 64}})
+    for payload in (b"junk", pack(bad_body), pack(chunk), raw_envelope("[" * 40 + "]" * 40)):
+        loop.handle(Delivery("message", "server", payload))
