@@ -63,7 +63,7 @@ class DeviceSlot:
 def pooled(ds: Dataset) -> Dataset:
     """Train and test in one pool, for configs where each device holds out its own test split."""
     return Dataset(ds.name, torch.cat([ds.x_train, ds.x_test]), torch.cat([ds.y_train, ds.y_test]),
-                   ds.x_test[:0], ds.y_test[:0], ds.class_names, ds.source + " (train+test pooled)")
+                   ds.x_test[:0], ds.y_test[:0], ds.class_names, ds.source + " (train+test pooled)", ds.files)
 
 
 def partition(cfg: RunConfig, ds: Dataset) -> list[np.ndarray]:
@@ -241,7 +241,7 @@ def federation_name(cfg: RunConfig) -> str:
 
 
 def load_run_dataset(cfg: RunConfig) -> Dataset:
-    ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download)
+    ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download, cfg.data.idx_name, cfg.data.classes)
     return pooled(ds) if cfg.data.client_test_fraction else ds
 
 

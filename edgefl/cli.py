@@ -18,6 +18,21 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
+#: every command that loads data takes the folder of its files (data.data_dir)
+DataDir = Annotated[Optional[Path], typer.Option("--data-dir", "--data", help="folder holding the dataset's files (sets data.data_dir)")]
+
+
+def _with_data_dir(overrides: list[str], data_dir: Path | None) -> list[str]:
+    return [*overrides, *([f"data.data_dir={data_dir}"] if data_dir else [])]
+
+
+def _say_data(parts) -> None:
+    ds = parts.ds
+    err.print(f"data: {ds.name}, {len(ds.y_train)} train / {len(ds.y_test)} test samples, {ds.num_classes} classes, from {ds.source}")
+    for path in ds.files:
+        err.print(f"  {path}", highlight=False)
+
+
 @app.command()
 def simulate(
     config: Annotated[Optional[Path], typer.Argument(help="run config (TOML); omitted: the embedded preset")] = None,
@@ -26,6 +41,7 @@ def simulate(
     preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted: demo or paper")] = "demo",
     show_config: Annotated[bool, typer.Option("--show-config", help="print the resolved config and exit")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
+    data_dir: DataDir = None,
 ) -> None:
     """Run a federated training job in one process on a simulated fleet."""
     from edgefl.build import build_run
@@ -34,7 +50,7 @@ def simulate(
     from edgefl.rundir import RunDir
     from edgefl.sim import Simulation
 
-    cfg = load_config(config, set_, preset)
+    cfg = load_config(config, _with_data_dir(set_, data_dir), preset)
     if show_config:
         out.print(cfg.to_toml(), markup=False, highlight=False)
         return
@@ -43,6 +59,7 @@ def simulate(
     n = cfg.fleet.num_clients
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
+    _say_data(parts)
     try:
         summary = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts).run()
     except KeyboardInterrupt:
@@ -113,6 +130,7 @@ def fleet(
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory")] = None,
     broker: Annotated[Optional[str], typer.Option(help="use this broker instead of starting mosquitto")] = None,
     preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted")] = "demo",
+    data_dir: DataDir = None,
 ) -> None:
     """A fleet on this machine: a broker, the server and one process per device, over MQTT."""
     from edgefl.build import build_run
@@ -120,8 +138,9 @@ def fleet(
     from edgefl.fleet.launcher import run_fleet
     from edgefl.rundir import RunDir
 
-    cfg = load_config(config, set_, preset)
+    cfg = load_config(config, _with_data_dir(set_, data_dir), preset)
     parts = build_run(cfg)  # config, data and models checked before anything is written
+    _say_data(parts)
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
@@ -142,6 +161,7 @@ def server(
     password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate of a TLS broker")] = None,
     resume: Annotated[bool, typer.Option(help="continue the interrupted run in --out from its last saved round")] = False,
+    data_dir: DataDir = None,
 ) -> None:
     """Run the server half of a config over MQTT (the GPU server of a real fleet)."""
     import os
@@ -151,8 +171,9 @@ def server(
     from edgefl.fleet.launcher import serve
     from edgefl.rundir import RunDir
 
-    cfg = load_config(config, set_, "demo")
+    cfg = load_config(config, _with_data_dir(set_, data_dir), "demo")
     parts = build_run(cfg)  # config, data and models checked before anything is written
+    _say_data(parts)
     if resume:
         if out_dir is None:
             raise EdgeflError("--resume needs --out: the run directory of the interrupted run")
@@ -172,7 +193,7 @@ def client(
     broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT (mqtts:// for TLS)")],
     config: Annotated[Path, typer.Option(help="the run config the server uses (TOML)")],
     device_id: Annotated[str, typer.Option("--device-id", help="this device's id in the config's fleet, e.g. client-3")],
-    data: Annotated[Optional[Path], typer.Option(help="folder holding the dataset files (overrides data.data_dir)")] = None,
+    data_dir: DataDir = None,
     set_: Annotated[list[str], typer.Option("--set", help="override a key (repeatable)")] = [],  # noqa: B006
     timeout: Annotated[Optional[float], typer.Option(help="give up after this many seconds")] = None,
     username: Annotated[Optional[str], typer.Option(help="MQTT username (default: the device id)")] = None,
@@ -189,8 +210,7 @@ def client(
     from edgefl.config import load_config
     from edgefl.fleet.launcher import device_state_dir, federation, run_device
 
-    overrides = [*set_, *([f"data.data_dir={data}"] if data else [])]
-    cfg = load_config(config, overrides, "demo")
+    cfg = load_config(config, _with_data_dir(set_, data_dir), "demo")
     password = os.environ.get(password_env)
     if keep_state and state_dir is None:
         state_dir = device_state_dir(federation(cfg), device_id)
@@ -233,13 +253,15 @@ def export(
     model: Annotated[Optional[str], typer.Option(help="architecture of a weights file without metadata")] = None,
     select: Annotated[Optional[str], typer.Option(help="only the run's models whose file name contains this")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="dataset for parity and calibration (default: the one trained on)")] = None,
+    data_dir: DataDir = None,
 ) -> None:
     """Export a run's global model (or any zoo model's weights) to ONNX and TFLite, checked against PyTorch."""
     formats = tuple(f.strip() for f in format_.split(",") if f.strip())
-    _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset)
+    _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset, data_dir)
 
 
-def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset) -> None:
+def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset,
+                      data_dir=None) -> None:
     from rich.table import Table
 
     from edgefl.exporters import default_out_dir, export_model, sources_from_path
@@ -247,10 +269,10 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     sources = sources_from_path(source, model=model, select=select)
     out_dir = default_out_dir(source) if out_dir is None else out_dir
     ds = None
-    if dataset:
+    if dataset or data_dir:
         from edgefl.data import load_dataset
 
-        ds = load_dataset(dataset)
+        ds = load_dataset(dataset or sources[0].dataset, data_dir)
     table = Table(title=f"exports in {out_dir}")
     for col in ("file", "size", "precision", "batch", "max |diff|", "test acc", "agree", "mobile EPs"):
         table.add_column(col, justify="left" if col == "file" else "right")

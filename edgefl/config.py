@@ -57,9 +57,11 @@ class TrainOverride(Strict):
 
 
 class DataSettings(Strict):
-    dataset: str = "fashion-mnist"
-    data_dir: str | None = None
-    download: bool = True
+    dataset: str = Field("fashion-mnist", description='fashion-mnist, mnist, digits, breast-cancer, or "idx" (your own IDX files)')
+    data_dir: str | None = Field(None, description="the folder holding the IDX files (--data-dir); when set, the only place looked in")
+    download: bool = Field(True, description="fetch fashion-mnist/mnist into the user cache when no folder has them")
+    idx_name: str | None = Field(None, description='dataset = "idx": the name reports give your data set')
+    classes: int | list[str] | None = Field(None, description='dataset = "idx": the number of classes, or their names in label order')
     partition: Literal["iid", "dirichlet", "shards"] = "dirichlet"
     alpha: float = Field(0.5, gt=0)
     shards_per_client: int = Field(2, ge=1)
@@ -78,6 +80,17 @@ class DataSettings(Strict):
         if v not in DATASET_NAMES:
             raise ValueError(f"unknown dataset {v!r}{suggest(v, DATASET_NAMES)}")
         return v
+
+    @model_validator(mode="after")
+    def _own_idx(self) -> DataSettings:
+        if self.dataset == "idx":
+            if not self.data_dir or self.classes is None:
+                raise ValueError('dataset = "idx" (your own IDX files) needs data_dir and classes (a count or the class names)')
+            if isinstance(self.classes, int) and not 2 <= self.classes <= 100_000:
+                raise ValueError("classes must be between 2 and 100000")
+        elif self.idx_name is not None or self.classes is not None:
+            raise ValueError(f'idx_name and classes describe your own data set (dataset = "idx"), not {self.dataset}')
+        return self
 
 
 class GroupSettings(Strict):

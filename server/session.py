@@ -59,7 +59,8 @@ class RunSession:
         ds, cfg = self.parts.ds, self.cfg
         return {
             "name": cfg.name, "method": cfg.method.name, "seed": cfg.seed, "runner": runner, "federation": federation,
-            "dataset": {"name": ds.name, "source": ds.source, "train": len(ds.y_train), "test_used": len(self.parts.y_test)},
+            "dataset": {"name": ds.name, "source": ds.source, "files": list(ds.files), "train": len(ds.y_train),
+                        "test_used": len(self.parts.y_test)},
             "versions": package_versions(), "machine": machine(), "deadline_s": self.orchestrator.deadline_s,
             "device_profiles": {s.profile.id: s.profile.to_dict() for s in self.parts.slots if s.profile is not None},
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts,

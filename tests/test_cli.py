@@ -130,11 +130,12 @@ def test_a_quorum_no_round_could_meet_is_a_config_error_not_clipped(quorum, mess
 @pytest.mark.parametrize("command", ["simulate", "fleet", "server"])
 def test_missing_data_is_reported_before_anything_is_written(tmp_path, command):
     out = tmp_path / "run"
+    (tmp_path / "empty").mkdir()
     args = [command, *(["--config"] if command == "server" else []), str(ROOT / "examples" / "fedhe_digits_quick.toml"),
-            "--set", "data.dataset=mnist", "--set", f"data.data_dir={tmp_path / 'nowhere'}", "--set", "data.download=false",
+            "--set", "data.dataset=mnist", "--data-dir", str(tmp_path / "empty"),
             "--out", str(out), *(["--broker", "mqtt://127.0.0.1:1"] if command == "server" else [])]
     res = edgefl(*args)
     assert res.returncode == 2, res.stderr
-    assert "mnist not found" in res.stderr and "--set data.data_dir=DIR" in res.stderr and "Traceback" not in res.stderr
+    assert "mnist not found in" in res.stderr and "--data-dir DIR" in res.stderr and "Traceback" not in res.stderr
     assert "install it with put" not in res.stderr
     assert not out.exists()

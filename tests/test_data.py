@@ -90,16 +90,49 @@ def test_search_order_data_dir_then_env(isolated, monkeypatch):
     a = make_idx_folder(isolated / "a" / "fashion-mnist", n_train=30)
     b = make_idx_folder(isolated / "b", n_train=40)  # files directly in the folder also count
     monkeypatch.setenv("EDGEFL_DATA", str(isolated / "b"))
-    assert len(load_dataset("fashion-mnist", data_dir=isolated / "a", download=False).y_train) == 30
-    assert len(load_dataset("fashion-mnist", download=False).y_train) == 40
-    assert locate_idx_folder("fashion-mnist", isolated / "a") == a and b.exists()
+    assert locate_idx_folder("fashion-mnist", isolated / "a") == a
+    assert locate_idx_folder("fashion-mnist") == b
+    assert len(load_dataset("idx", data_dir=isolated / "a", idx_name="fashion-mnist", classes=10).y_train) == 30
 
 
-def test_missing_dataset_error_lists_places_and_remedies(isolated):
-    with pytest.raises(DataError) as exc:
+def test_a_named_data_dir_is_the_only_place_and_must_exist(isolated, monkeypatch):
+    make_idx_folder(isolated / "elsewhere")
+    monkeypatch.setenv("EDGEFL_DATA", str(isolated / "elsewhere"))
+    with pytest.raises(DataError, match="nowhere does not exist"):
         load_dataset("fashion-mnist", data_dir=isolated / "nowhere", download=False)
+    (isolated / "empty").mkdir()
+    with pytest.raises(DataError) as exc:  # not silently taken from $EDGEFL_DATA, nor downloaded
+        load_dataset("fashion-mnist", data_dir=isolated / "empty")
     text = str(exc.value)
-    assert "nowhere" in text and "apt-get install dataset-fashion-mnist" in text and "--data-dir" in text
+    assert "fashion-mnist not found in" in text and "apt-get install dataset-fashion-mnist" in text
+    assert "--data-dir" in text and "train-images-idx3-ubyte" in text
+
+
+def test_files_that_are_not_the_declared_data_set_are_refused(isolated):
+    folder = make_idx_folder(isolated / "fake", n_train=30)
+    with pytest.raises(DataError, match="are not fashion-mnist: 30 train samples, not 60000"):
+        load_dataset("fashion-mnist", data_dir=folder)
+    real = Path("/usr/share/datasets/fashion-mnist")
+    if not real.is_dir():
+        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+    with pytest.raises(DataError, match=r"are not mnist: train labels begin 9 0 0 3.*\(they are fashion-mnist\)") as exc:
+        load_dataset("mnist", data_dir=real)
+    assert 'data.dataset = "fashion-mnist"' in str(exc.value)
+
+
+def test_own_idx_data_in_any_common_file_naming(isolated):
+    folder = isolated / "letters"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for stem, array in (("train-images.idx3-ubyte", rng.integers(0, 256, (52, 28, 28))), ("train-labels.idx1-ubyte", np.arange(52) % 26),
+                        ("t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (26, 28, 28))), ("t10k-labels-idx1-ubyte", np.arange(26) % 26)):
+        write_idx(folder / stem, array)
+    ds = load_dataset("idx", data_dir=folder, idx_name="letters", classes=[chr(65 + i) for i in range(26)])
+    assert (ds.name, ds.num_classes, len(ds.y_train)) == ("letters", 26, 52)
+    assert [Path(f).name for f in ds.files] == ["train-images.idx3-ubyte", "train-labels.idx1-ubyte",
+                                                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte"]
+    with pytest.raises(DataError, match="labels go up to 25, but letters has 10 classes"):
+        load_dataset("idx", data_dir=folder, idx_name="letters", classes=10)
 
 
 def test_mismatched_files_are_an_error(isolated):
@@ -133,7 +166,7 @@ def test_download_from_local_server_verifies_md5(isolated, http_root):
     root, url = http_root
     dest = download_idx("fashion-mnist", isolated / "dl", base_url=url, md5=_md5s(root))
     assert sorted(p.name for p in dest.glob("*.gz")) == sorted(f"{s}.gz" for s in FILES.values())
-    ds = load_dataset("fashion-mnist", data_dir=dest, download=False)
+    ds = load_dataset("idx", data_dir=dest, classes=10)  # what was served is not the real data set
     assert len(ds.y_train) == 60
 
 

@@ -1,9 +1,18 @@
-"""Datasets: MNIST-format IDX folders (Fashion-MNIST, MNIST) and scikit-learn's small sets.
+"""Datasets: MNIST-format IDX folders (Fashion-MNIST, MNIST, or one's own as ``idx``) and
+scikit-learn's small sets.
 
-IDX folders are searched, in order, in ``--data-dir``, ``$EDGEFL_DATA``, the user cache
+A named ``data_dir`` (``--data-dir``) is the only place looked in, and must exist. Without one,
+IDX folders are searched, in order, in ``$EDGEFL_DATA``, the user cache
 (``$XDG_CACHE_HOME/edgefl/datasets``) and ``/usr/share/datasets`` (where Debian's
 ``dataset-fashion-mnist`` puts them). When none has them and downloading is allowed, they are
 fetched into the cache, checked against known MD5 sums, and only then moved into place.
+
+What was read is checked against the declared data set (:class:`IdxIdentity`: sample counts,
+image shape, the first labels and a SHA-256 of the labels where known), so MNIST files are never
+trained on as Fashion-MNIST or the other way round. File names: ``train-images-idx3-ubyte``,
+``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each also
+accepted with ``.idx3-ubyte``/``.idx1-ubyte`` after a dot (``train-images.idx3-ubyte``) and with
+``.gz`` (docs/data.md).
 """
 
 from __future__ import annotations
@@ -32,11 +41,26 @@ FILES = {
 
 
 @dataclass(frozen=True)
+class IdxIdentity:
+    """What the files of a known data set hold: enough to tell MNIST from Fashion-MNIST (same
+    sizes, different labels) without hashing 50 MB of images."""
+
+    train_count: int
+    test_count: int
+    image_shape: tuple[int, int]
+    first_train_labels: tuple[int, ...]
+    first_test_labels: tuple[int, ...]
+    train_labels_sha256: str | None = None  # of the decoded label bytes (gzip or not alike)
+    test_labels_sha256: str | None = None
+
+
+@dataclass(frozen=True)
 class IdxSource:
     base_url: str
     md5: dict[str, str]  # file name (with .gz) -> md5
     class_names: tuple[str, ...]
     debian_package: str | None = None
+    identity: IdxIdentity | None = None
 
 
 IDX_SOURCES: dict[str, IdxSource] = {
@@ -50,6 +74,9 @@ IDX_SOURCES: dict[str, IdxSource] = {
         },
         class_names=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"),
         debian_package="dataset-fashion-mnist",
+        identity=IdxIdentity(60000, 10000, (28, 28), (9, 0, 0, 3, 0, 2, 7, 2, 5, 5), (9, 2, 1, 1, 6, 1, 4, 6, 5, 7),
+                             "657fbd221bfc9f4198cc14b5619cc33ec57c58dd0e47af4d99d6650759e869a7",
+                             "3d0e6c6ea990b53b6f8f500a41cac93881d981b315f84578b7d915342ade01e9"),
     ),
     "mnist": IdxSource(
         base_url="https://ossci-datasets.s3.amazonaws.com/mnist/",
@@ -60,11 +87,14 @@ IDX_SOURCES: dict[str, IdxSource] = {
             "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
         },
         class_names=tuple(str(i) for i in range(10)),
+        identity=IdxIdentity(60000, 10000, (28, 28), (5, 0, 4, 1, 9, 2, 1, 3, 1, 4), (7, 2, 1, 0, 4, 1, 4, 9, 5, 9)),
     ),
 }
 
 SKLEARN_SETS = ("digits", "breast-cancer")
-DATASET_NAMES = tuple(IDX_SOURCES) + SKLEARN_SETS
+#: one's own MNIST-format data: ``dataset = "idx"`` with ``data_dir``, ``idx_name`` and ``classes``
+GENERIC_IDX = "idx"
+DATASET_NAMES = (*IDX_SOURCES, GENERIC_IDX, *SKLEARN_SETS)
 
 
 @dataclass
@@ -78,6 +108,7 @@ class Dataset:
     y_test: torch.Tensor
     class_names: tuple[str, ...]
     source: str
+    files: tuple[str, ...] = ()  # the exact files read (IDX data sets)
 
     @property
     def num_classes(self) -> int:
@@ -93,19 +124,31 @@ def cache_dir() -> Path:
 
 
 def search_roots(data_dir: str | Path | None) -> list[Path]:
-    roots: list[Path] = []
+    """Where IDX folders are looked for: only ``data_dir`` when one is named (it must exist: a
+    typo must not silently pick up another copy), else the environment, the cache, Debian's."""
     if data_dir:
-        roots.append(Path(data_dir))
+        if not Path(data_dir).is_dir():
+            raise DataError(f"data folder {data_dir} does not exist",
+                            hint="fix data.data_dir (--data-dir), or leave it out to search the usual places")
+        return [Path(data_dir)]
+    roots: list[Path] = []
     if os.environ.get("EDGEFL_DATA"):
         roots.append(Path(os.environ["EDGEFL_DATA"]))
     roots += [cache_dir(), Path("/usr/share/datasets")]
     return roots
 
 
+def file_name_variants(stem: str) -> list[str]:
+    """The names one IDX file goes by: ``train-images-idx3-ubyte`` and ``train-images.idx3-ubyte``,
+    each plain or ``.gz``."""
+    dotted = stem.replace("-idx", ".idx", 1)
+    return [f"{stem}.gz", stem, f"{dotted}.gz", dotted]
+
+
 def _find_file(folder: Path, stem: str) -> Path | None:
-    for candidate in (folder / f"{stem}.gz", folder / stem):
-        if candidate.is_file():
-            return candidate
+    for name in file_name_variants(stem):
+        if (folder / name).is_file():
+            return folder / name
     return None
 
 
@@ -159,22 +202,28 @@ def download_idx(
 
 def _missing_hint(name: str, data_dir: str | Path | None) -> str:
     places = ", ".join(str(r) for r in search_roots(data_dir))
+    wanted = ", ".join(FILES.values())
     pkg = IDX_SOURCES[name].debian_package
     install = f"install it (apt-get install {pkg}), or put" if pkg else "put"
-    return (f"looked in {places}; {install} the four IDX files in one of those folders, or point the config at them: "
-            f"data.data_dir = \"DIR\" (on the command line: --set data.data_dir=DIR)")
+    return (f"looked in {places} (and a {name}/ folder in each) for {wanted} (or .gz, or with a dot before idx); "
+            f"{install} the four IDX files in one of those folders, or point the run at them: --data-dir DIR "
+            f"(--set data.data_dir=DIR, or data_dir in the config's [data])")
 
 
-def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bool = True) -> Dataset:
+def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bool = True,
+                     class_names: tuple[str, ...] | None = None) -> Dataset:
+    """Four IDX files of ``name`` (a known data set, or one's own with ``class_names``), checked
+    against what the data set is known to hold."""
     folder = locate_idx_folder(name, data_dir)
     if folder is None:
-        if not download:
-            raise DataError(f"{name} not found", hint=_missing_hint(name, data_dir))
+        if data_dir or not download or class_names is not None:
+            raise DataError(f"{name} not found" + (f" in {data_dir}" if data_dir else ""), hint=_missing_hint(name, data_dir))
         try:
             folder = download_idx(name)
         except DataError as exc:
             raise DataError(f"{name} not found locally and {exc.message}", hint=_missing_hint(name, data_dir)) from None
-    arrays = {key: read_idx(_find_file(folder, stem)) for key, stem in FILES.items()}  # type: ignore[arg-type]
+    paths = {key: _find_file(folder, stem) for key, stem in FILES.items()}
+    arrays = {key: read_idx(path) for key, path in paths.items()}  # type: ignore[arg-type]
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
@@ -182,9 +231,14 @@ def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bo
                 f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match",
                 hint="the folder mixes files from different datasets; fetch them again",
             )
-    classes = IDX_SOURCES[name].class_names
-    if int(arrays["train_labels"].max()) >= len(classes):
-        raise DataError(f"{folder}: labels go up to {arrays['train_labels'].max()}, {name} has {len(classes)} classes")
+    classes = class_names if class_names is not None else IDX_SOURCES[name].class_names
+    for split in ("train", "test"):
+        labels = arrays[f"{split}_labels"]
+        if len(labels) and int(labels.max()) >= len(classes):
+            raise DataError(f"{folder}: {split} labels go up to {int(labels.max())}, but {name} has {len(classes)} classes",
+                            hint="for your own data set: dataset = \"idx\" with classes = the number of classes (or their names)")
+    if class_names is None:  # a known data set (one's own, with its class names, is taken as it is)
+        _check_identity(name, folder, arrays)
 
     def images(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).float().div_(255.0).unsqueeze(1)
@@ -198,9 +252,45 @@ def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bo
         y_train=labels(arrays["train_labels"]),
         x_test=images(arrays["test_images"]),
         y_test=labels(arrays["test_labels"]),
-        class_names=classes,
+        class_names=tuple(classes),
         source=str(folder),
+        files=tuple(str(paths[key]) for key in FILES),
     )
+
+
+def _identity_of(arrays: dict[str, np.ndarray]) -> str | None:
+    """Which known data set these arrays are, when one matches."""
+    for other, source in IDX_SOURCES.items():
+        if source.identity is not None and not _identity_problems(source.identity, arrays):
+            return other
+    return None
+
+
+def _identity_problems(ident: IdxIdentity, arrays: dict[str, np.ndarray]) -> list[str]:
+    problems = []
+    for split, count, first, digest in (("train", ident.train_count, ident.first_train_labels, ident.train_labels_sha256),
+                                        ("test", ident.test_count, ident.first_test_labels, ident.test_labels_sha256)):
+        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if len(labels) != count:
+            problems.append(f"{len(labels)} {split} samples, not {count}")
+        if tuple(images.shape[1:]) != ident.image_shape:
+            problems.append(f"{split} images of {'x'.join(map(str, images.shape[1:]))}, not {'x'.join(map(str, ident.image_shape))}")
+        if tuple(int(v) for v in labels[: len(first)]) != first:
+            problems.append(f"{split} labels begin {' '.join(str(int(v)) for v in labels[:len(first)])}, not {' '.join(map(str, first))}")
+        elif digest and hashlib.sha256(labels.astype(np.uint8).tobytes()).hexdigest() != digest:
+            problems.append(f"{split} labels differ from the published ones (SHA-256)")
+    return problems
+
+
+def _check_identity(name: str, folder: Path, arrays: dict[str, np.ndarray]) -> None:
+    ident = IDX_SOURCES[name].identity
+    problems = _identity_problems(ident, arrays) if ident is not None else []
+    if problems:
+        actually = _identity_of(arrays)
+        raise DataError(f"the files in {folder} are not {name}: {'; '.join(problems[:3])}"
+                        + (f" (they are {actually})" if actually else ""),
+                        hint=(f"set data.dataset = \"{actually}\", or point --data-dir at the {name} files" if actually else
+                              f"point --data-dir at the {name} files; for your own data set use dataset = \"idx\""))
 
 
 def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int = 0) -> Dataset:
@@ -238,8 +328,18 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
     )
 
 
-def load_dataset(name: str, data_dir: str | Path | None = None, download: bool = True) -> Dataset:
-    """Load a dataset by name: ``fashion-mnist``, ``mnist``, ``digits`` or ``breast-cancer``."""
+def load_dataset(name: str, data_dir: str | Path | None = None, download: bool = True,
+                 idx_name: str | None = None, classes: int | list[str] | None = None) -> Dataset:
+    """Load a dataset by name: ``fashion-mnist``, ``mnist``, ``digits``, ``breast-cancer``, or
+    ``idx``: one's own four IDX files in ``data_dir`` (``idx_name`` names it in reports,
+    ``classes`` is the number of classes or their names)."""
+    if name == GENERIC_IDX:
+        if not data_dir or classes is None:
+            raise DataError("dataset = \"idx\" reads your own IDX files: it needs data_dir (the folder) and classes",
+                            hint="e.g. [data] dataset = \"idx\", data_dir = \"/data/letters\", classes = 26, idx_name = \"letters\"")
+        names = tuple(str(c) for c in range(classes)) if isinstance(classes, int) else tuple(classes)
+        ds = load_idx_dataset(idx_name or GENERIC_IDX, data_dir, False, names)
+        return ds
     if name in IDX_SOURCES:
         return load_idx_dataset(name, data_dir, download)
     if name in SKLEARN_SETS:
