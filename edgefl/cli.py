@@ -50,24 +50,34 @@ def simulate(
     from edgefl.rundir import RunDir
     from edgefl.sim import Simulation
 
+    from edgefl.interrupt import StopRequest
+    from edgefl.server.session import build_server
+
     cfg = load_config(config, _with_data_dir(set_, data_dir), preset)
-    if show_config:
+    parts = build_run(cfg)  # config, data and models checked before anything is written
+    build_server(cfg, parts.ds, parts.slots)  # the method's own checks (a one-shot method's rounds...)
+    if show_config:  # validated exactly as the run would be
         out.print(cfg.to_toml(), markup=False, highlight=False)
         return
-    parts = build_run(cfg)  # config, data and models checked before anything is written
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
     n = cfg.fleet.num_clients
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
     _say_data(parts)
+    stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
     try:
-        summary = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts).run()
+        with stop:
+            summary = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts).run(should_stop=stop.requested)
     except KeyboardInterrupt:
+        summary = {"interrupted": True}
+    if summary.get("interrupted"):
         done = len(run.metrics()) if (run.path / "metrics.jsonl").is_file() else 0
         if done:
             draw_plots(run)
-        err.print(f"interrupted after {done} of {cfg.rounds} rounds; what ran is in {run.path} (edgefl report {run.path})")
-        raise typer.Exit(130) from None
+            out.print(accuracy_table(run))
+        err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {done} of {cfg.rounds} rounds; models, summary and "
+                  f"plots of what ran are in {run.path} (edgefl report {run.path})")
+        raise typer.Exit(130)
     draw_plots(run)
     out.print(accuracy_table(run))
     out.print(communication_table(run))
@@ -304,11 +314,19 @@ def models(
     for col, justify in (("name", "left"), ("kind", "left"), ("params", "right"), ("FLOPs/sample", "right"),
                          ("input", "left"), ("feature width", "right"), ("description", "left")):
         table.add_column(col, justify=justify, no_wrap=col != "description")  # type: ignore[arg-type]
-    for name in model_names():
-        shape = tuple(int(s) for s in input_shape.split(",")) if input_shape else None
-        if shape is not None and get_spec(name).family == "mlp":
-            shape = (int(sum(shape)),) if len(shape) == 1 else None
-        info = model_info(name, num_classes=num_classes, input_shape=shape)
+    from rich.progress import track
+
+    from edgefl.heartbeat import Heartbeat
+
+    with Heartbeat(err) as beat:
+        infos = {}
+        for name in track(model_names(), description="measuring the zoo (cached after the first run)", console=err, transient=True):
+            beat.status(f"measuring {name}")
+            shape = tuple(int(s) for s in input_shape.split(",")) if input_shape else None
+            if shape is not None and get_spec(name).family == "mlp":
+                shape = (int(sum(shape)),) if len(shape) == 1 else None
+            infos[name] = model_info(name, num_classes=num_classes, input_shape=shape)
+    for name, info in infos.items():
         table.add_row(name, info.kind, f"{info.params:,}", _si(info.flops_per_sample), "x".join(map(str, info.input_shape)),
                       str(info.feature_dim or "-"), info.description)
     out.print(table)
@@ -419,7 +437,11 @@ def assign(
     if optimizer not in ("adam", "momentum", "sgd"):
         raise EdgeflError(f"--optimizer {optimizer!r}: choose adam, momentum or sgd")
     budgets = Budgets(headroom=headroom, deadline_s=deadline, samples=samples, epochs=epochs, batch=batch, optimizer=optimizer)
-    result = do_assign(profile, budgets, method, parse_candidates(models_) if models_ else None)
+    from edgefl.heartbeat import Heartbeat
+
+    with err.status("measuring each candidate's memory and time (cached after the first run)"), Heartbeat(err) as beat:
+        beat.status(f"assign {profile.id}: measuring the candidates")
+        result = do_assign(profile, budgets, method, parse_candidates(models_) if models_ else None)
     table = Table(title=f"{profile.id}: {samples} samples x {epochs} epoch(s), batch {batch}, deadline {deadline:g} s, "
                         f"{headroom:.0%} of {_qty(profile.memory.training_budget_bytes, _bytes)}")
     for col in ("candidate", "kind", "params", "FLOPs/sample", "train memory", "round time", "verdict"):

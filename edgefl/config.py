@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import math
 import sys
 from importlib import resources
@@ -22,6 +23,8 @@ from edgefl.data.views import ViewSettings
 from edgefl.errors import ConfigError
 from edgefl.methods import get_method
 
+log = logging.getLogger("edgefl.config")
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -35,12 +38,12 @@ class Strict(BaseModel):
 class TrainSettings(Strict):
     """Local training of one client per round."""
 
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(50, ge=1)
-    optimizer: Literal["adam", "sgd"] = "adam"
-    lr: float = Field(1e-3, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    epochs: int = Field(1, ge=1, description="local epochs per round")
+    batch_size: int = Field(50, ge=1, description="local mini-batch size")
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="a new optimizer each round (as the papers' code)")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
+    weight_decay: float = Field(0.0, ge=0, description="L2 penalty of the optimizer")
     max_steps: int | None = Field(None, ge=1, description="cap on batches per round (None: full epochs)")
 
 
@@ -62,10 +65,10 @@ class DataSettings(Strict):
     download: bool = Field(True, description="fetch fashion-mnist/mnist into the user cache when no folder has them")
     idx_name: str | None = Field(None, description='dataset = "idx": the name reports give your data set')
     classes: int | list[str] | None = Field(None, description='dataset = "idx": the number of classes, or their names in label order')
-    partition: Literal["iid", "dirichlet", "shards"] = "dirichlet"
-    alpha: float = Field(0.5, gt=0)
-    shards_per_client: int = Field(2, ge=1)
-    min_samples: int = Field(10, ge=1)
+    partition: Literal["iid", "dirichlet", "shards"] = Field("dirichlet", description="how training samples are split across devices")
+    alpha: float = Field(0.5, gt=0, description="dirichlet: concentration (smaller = more skewed labels per device)")
+    shards_per_client: int = Field(2, ge=1, description="shards: label-sorted shards per device")
+    min_samples: int = Field(10, ge=1, description="dirichlet: redraw until every device holds at least this many")
     samples_per_client: int | None = Field(None, ge=1, description="keep at most this many samples per client")
     test_samples: int | None = Field(None, ge=1, description="evaluate on a fixed random subset of the test set")
     client_test_fraction: float | None = Field(
@@ -97,8 +100,8 @@ class GroupSettings(Strict):
     """``count`` devices that train the same architecture (or, with a profile and
     ``model = "auto"``, devices of one class that get the largest model their budgets allow)."""
 
-    model: str
-    count: int = Field(1, ge=1)
+    model: str = Field(description='a zoo model (edgefl models), or "auto": the largest the group\'s profile can train (needs profile)')
+    count: int = Field(1, ge=1, description="devices in this group")
     profile: str | None = Field(None, description="device class (catalog id or profile file): virtual clock and assignment")
     options: dict[str, Any] = Field(default_factory=dict, description="builder options, e.g. width")
     train: TrainOverride | None = None
@@ -154,7 +157,7 @@ def _family_params(model: str) -> dict[str, inspect.Parameter]:
 
 class FleetSettings(Strict):
     groups: list[GroupSettings] = Field(min_length=1)
-    sample_ratio: float = Field(1.0, gt=0, le=1)
+    sample_ratio: float = Field(1.0, gt=0, le=1, description="share of the devices selected each round")
 
     @property
     def num_clients(self) -> int:
@@ -217,9 +220,9 @@ class MethodSettings(BaseModel):
 
 
 class RunConfig(Strict):
-    name: str = "run"
-    seed: int = 0
-    rounds: int = Field(10, ge=1)
+    name: str = Field("run", description="names the run directory (runs/<time>-<name>-s<seed>) and, unless network.federation is set, the fleet's topics")
+    seed: int = Field(0, description="every random draw (partition, initial weights, batch order, selection) derives from it")
+    rounds: int = Field(10, ge=1, description="federated rounds (one-shot methods: exactly 1)")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: torch's default)")
     method: MethodSettings
     data: DataSettings = Field(default_factory=DataSettings)
@@ -323,9 +326,45 @@ def preset_text(name: str) -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, preset: str = "demo") -> RunConfig:
-    """Read a TOML file (or the embedded preset when ``path`` is None), apply overrides, validate."""
+    """Read a TOML file (or the embedded preset when ``path`` is None), apply overrides, validate.
+    An error that only the overrides cause is blamed on them (``--set ...``), not on the file."""
     if path is None:
         raw, source = tomllib.loads(preset_text(preset)), f"preset {preset!r}"
     else:
         raw, source = read_toml(path), str(path)
-    return validate_config(apply_overrides(raw, overrides or []), source)
+    merged = _switch_method(raw, apply_overrides(raw, overrides or []), overrides or [])
+    try:
+        return validate_config(merged, source)
+    except ConfigError as exc:
+        if overrides and _valid(raw, source):
+            sets = " ".join(f"--set {o}" for o in overrides)
+            raise ConfigError(exc.message.replace(f"{source} is invalid", f"{sets} makes the config invalid", 1),
+                              hint=exc.hint or f"{source} alone is valid: fix or drop the override") from None
+        raise
+
+
+def _valid(raw: dict[str, Any], source: str) -> bool:
+    try:
+        validate_config(raw, source)
+    except ConfigError:
+        return False
+    return True
+
+
+def _switch_method(raw: dict[str, Any], merged: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``--set method.name=other``: the file's options of its own method do not apply to another;
+    drop the ones the new method does not take, and say so."""
+    before = (raw.get("method") or {}).get("name") if isinstance(raw.get("method"), dict) else None
+    method = merged.get("method") if isinstance(merged.get("method"), dict) else None
+    if method is None or before is None or method.get("name") == before:
+        return merged
+    try:
+        accepted = set(get_method(str(method.get("name"))).options_model.model_fields)
+    except ConfigError:
+        return merged  # an unknown name: validation reports it
+    explicit = {o.split("=", 1)[0].strip().removeprefix("method.") for o in overrides if o.strip().startswith("method.")}
+    dropped = sorted(k for k in method if k != "name" and k not in accepted and k in raw["method"] and k not in explicit)
+    if dropped:
+        log.warning("method %s takes none of %s's options %s: dropped", method["name"], before, ", ".join(dropped))
+        merged = {**merged, "method": {k: v for k, v in method.items() if k not in dropped}}
+    return merged

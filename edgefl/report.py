@@ -33,30 +33,40 @@ def draw_plots(run: RunDir) -> list[Path]:
     out_dir.mkdir(exist_ok=True)
     written: list[Path] = []
 
-    evaluated = [m for m in metrics if m.get("accuracy")]
+    def round_axis(ax, rounds: list[int]) -> None:
+        """Whole rounds only; every round labelled when there are few."""
+        if len(rounds) <= 20:
+            ax.set_xticks(sorted(set(rounds)))
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(min(rounds) - 0.6, max(rounds) + 0.6)
+
+    evaluated = [m for m in metrics if m.get("accuracy") and m["accuracy"].get("overall") is not None]
     if evaluated:
         fig, ax = plt.subplots(figsize=(8, 5))
         archs = sorted({a for m in evaluated for a in m["accuracy"]["per_arch"]})
         rounds = [m["round"] for m in evaluated]
-        for arch in archs:
-            ax.plot(rounds, [m["accuracy"]["per_arch"].get(arch) for m in evaluated], marker=".", linewidth=1, label=arch)
-        ax.plot(rounds, [m["accuracy"]["overall"] for m in evaluated], color="black", linewidth=2.5, label="overall (mean)")
-        ax.set(xlabel="round", ylabel="test accuracy", title="Accuracy per round and architecture")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        for arch in archs:  # markers, so a single evaluation is a visible point
+            ax.plot(rounds, [m["accuracy"]["per_arch"].get(arch) for m in evaluated], marker="o", markersize=4, linewidth=1, label=arch)
+        ax.plot(rounds, [m["accuracy"]["overall"] for m in evaluated], color="black", marker="o", linewidth=2.5,
+                label=f"overall ({OVERALL})")
+        ax.set(xlabel="round", ylabel="test accuracy", title="Accuracy per round and architecture", ylim=(0, 1))
+        round_axis(ax, rounds)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         written.append(_save(fig, out_dir / "accuracy.png", plt))
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    rounds = [m["round"] for m in metrics]
-    ax.bar([r - 0.2 for r in rounds], [m["bytes_up"] for m in metrics], width=0.4, label="up (all clients)")
-    ax.bar([r + 0.2 for r in rounds], [m["bytes_down"] for m in metrics], width=0.4, label="down (all clients)")
-    ax.set(xlabel="round", ylabel="bytes", title="Communication per round (serialised messages)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if any(m["bytes_up"] or m["bytes_down"] for m in metrics):
-        ax.set_yscale("log")
-    ax.legend()
-    written.append(_save(fig, out_dir / "communication.png", plt))
+    _remove(out_dir / "communication.png")
+    if any(m["bytes_up"] or m["bytes_down"] for m in metrics):  # a method that shares nothing gets no empty chart
+        fig, ax = plt.subplots(figsize=(8, 4))
+        rounds = [m["round"] for m in metrics]
+        ax.bar([r - 0.2 for r in rounds], [m["bytes_up"] / 1e6 for m in metrics], width=0.4, label="up (all clients)")
+        ax.bar([r + 0.2 for r in rounds], [m["bytes_down"] / 1e6 for m in metrics], width=0.4, label="down (all clients)")
+        ax.set(xlabel="round", ylabel="MB (10^6 bytes), linear", title="Communication per round (serialised messages)")
+        ax.set_ylim(bottom=0)
+        round_axis(ax, rounds)
+        ax.legend()
+        written.append(_save(fig, out_dir / "communication.png", plt))
 
     timed = [m for m in metrics if m.get("virtual_time_by_profile")]
     if timed:
@@ -70,7 +80,7 @@ def draw_plots(run: RunDir) -> list[Path]:
             if m.get("stragglers"):
                 ax.annotate(f"{len(m['stragglers'])} dropped", (m["round"], deadline or 0), fontsize=7, color="red")
         ax.set(xlabel="round", ylabel="virtual seconds (mean per device)", title="Round time by device class (virtual clock)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        round_axis(ax, [m["round"] for m in timed])
         ax.legend(fontsize=7)
         written.append(_save(fig, out_dir / "round_time.png", plt))
 
@@ -91,6 +101,15 @@ def draw_plots(run: RunDir) -> list[Path]:
     return written
 
 
+#: what "overall" means everywhere (plots, tables, summary.json): edgefl.server.evaluation
+OVERALL = "mean over judged devices"
+
+
+def _remove(path: Path) -> None:
+    if path.is_file():
+        path.unlink()
+
+
 def _save(fig: Any, path: Path, plt) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -100,7 +119,7 @@ def _save(fig: Any, path: Path, plt) -> Path:
 
 def accuracy_table(run: RunDir) -> Table:
     """Final accuracy per architecture and overall, with the best round for each."""
-    evaluated = [m for m in run.metrics() if m.get("accuracy")]
+    evaluated = [m for m in run.metrics() if m.get("accuracy") and m["accuracy"].get("overall") is not None]
     table = Table(title=f"accuracy - {run.path}")
     table.add_column("architecture")
     table.add_column("clients", justify="right")
@@ -109,6 +128,8 @@ def accuracy_table(run: RunDir) -> Table:
     if not evaluated:
         return table
     final = evaluated[-1]["accuracy"]
+    if final.get("overall") is None:
+        return table
     counts: dict[str, int] = {}
     part_path = run.path / "partition.json"
     if part_path.is_file():
@@ -119,7 +140,8 @@ def accuracy_table(run: RunDir) -> Table:
         table.add_row(arch, str(counts.get(arch, "")), f"{final['per_arch'][arch]:.4f}",
                       f"{best['accuracy']['per_arch'][arch]:.4f} ({best['round']})")
     best = max(evaluated, key=lambda m: m["accuracy"]["overall"])
-    table.add_row("[bold]overall (mean of clients)", str(sum(counts.values()) or ""), f"[bold]{final['overall']:.4f}",
+    judged = sum(counts.get(arch, 0) for arch in final["per_arch"])  # generator clients are not judged
+    table.add_row(f"[bold]overall ({OVERALL})", str(judged or ""), f"[bold]{final['overall']:.4f}",
                   f"{best['accuracy']['overall']:.4f} ({best['round']})")
     return table
 

@@ -448,6 +448,7 @@ class Orchestrator:
         self.last_round = r
         accuracy, eval_time = None, 0.0
         if outcome != "failed" and evaluate:
+            self.on_event("evaluating", {"round": r})
             t1 = time.perf_counter()
             accuracy = self.evaluate(r)
             eval_time = time.perf_counter() - t1
@@ -582,10 +583,15 @@ class Orchestrator:
         })
 
     # --- the whole run ------------------------------------------------------------------------
-    def run(self, first_round: int = 1, after_round: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    def run(self, first_round: int = 1, after_round: Callable[[dict[str, Any]], None] | None = None,
+            should_stop: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
         """Play rounds ``first_round`` .. ``cfg.rounds`` (``after_round``: called with each record,
-        to write it and save the state), then announce that the run is done."""
+        to write it and save the state), then announce that the run is done. ``should_stop`` is
+        asked between rounds: a stopped run is not announced as done (it can be resumed)."""
         for r in range(first_round, self.cfg.rounds + 1):
+            if should_stop():
+                self.on_event("stopped", {"after_round": r - 1})
+                return self.history
             record = self.run_round(r)
             if after_round is not None:
                 after_round(record)

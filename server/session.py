@@ -109,14 +109,20 @@ class RunSession:
                        {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.orchestrator.run_id,
                         "device_accuracy": self.evaluator.device_accuracy})
 
-    def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None,
+            should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Play the rounds and finish; a KeyboardInterrupt (a second Ctrl-C) still writes what was done."""
         def after(record: dict[str, Any]) -> None:
             self.after_round(record)
             if on_record is not None:
                 on_record(record)
 
-        self.orchestrator.run(first_round, after)
-        return self.finish()
+        try:
+            self.orchestrator.run(first_round, after, should_stop)
+        except KeyboardInterrupt:
+            self.finish(interrupted=True)
+            raise
+        return self.finish(interrupted=self.orchestrator.last_round < self.cfg.rounds)
 
     # --- end ------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -138,8 +144,10 @@ class RunSession:
             "run_dir": str(self.run_dir.path) if self.run_dir else None,
         }
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self, interrupted: bool = False) -> dict[str, Any]:
         summary = self.summary()
+        summary["rounds_played"] = len(self.orchestrator.history)
+        summary["interrupted"] = interrupted
         if self.run_dir is not None:
             save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
             self.run_dir.write_json("summary.json", summary)

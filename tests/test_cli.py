@@ -69,8 +69,10 @@ def test_report_on_a_folder_that_is_not_a_run(tmp_path):
     assert res.returncode == 2 and "has no metrics.jsonl" in res.stderr
 
 
-def test_interrupt_keeps_what_ran(tmp_path):
-    """Ctrl-C mid-run: no traceback, the finished rounds stay in the run directory."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_interrupt_finishes_the_round_and_writes_models_summary_and_plots(tmp_path, signame):
+    """Ctrl-C or SIGTERM mid-run: no traceback; the current round finishes, then the models, the
+    summary and the plots of what ran are written."""
     import signal
     import time
 
@@ -84,11 +86,15 @@ def test_interrupt_keeps_what_ran(tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130
-    assert "interrupted after" in stderr and "Traceback" not in stderr
-    assert (out / "metrics.jsonl").read_text().count("\n") >= 2 and (out / "plots" / "accuracy.png").is_file()
+    assert f"interrupted ({signame}) after" in stderr and "Traceback" not in stderr
+    rounds = (out / "metrics.jsonl").read_text().count("\n")
+    assert rounds >= 2 and (out / "plots" / "accuracy.png").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["rounds_played"] == rounds
+    assert list((out / "models").glob("*.safetensors"))
 
 
 def test_a_run_ends_with_its_exports_and_export_command_reexports(tmp_path):

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -123,6 +127,54 @@ def _info_cached(name: str, num_classes: int, input_shape: tuple[int, ...] | Non
 
 
 def model_info(name: str, num_classes: int = 10, input_shape: tuple[int, ...] | None = None, **kwargs: Any) -> ModelInfo:
-    """Metadata of a zoo model: parameters and FLOPs per sample are measured, not tabulated."""
+    """Metadata of a zoo model: parameters and FLOPs per sample are measured, not tabulated (and
+    kept in a cache file, keyed by the models' source and torch's version: measuring the zoo
+    takes tens of seconds)."""
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
-    return _info_cached(name, num_classes, tuple(input_shape) if input_shape else None, frozen)
+    shape = tuple(input_shape) if input_shape else None
+    key = json.dumps([name, num_classes, shape, frozen], default=str)
+    cache = _disk_cache()
+    if key in cache:
+        try:
+            return ModelInfo(**{**cache[key], "input_shape": tuple(cache[key]["input_shape"])})
+        except TypeError:
+            pass  # written by another layout of ModelInfo: measure again
+    info = _info_cached(name, num_classes, shape, frozen)
+    cache[key] = asdict(info)
+    _save_disk_cache(cache)
+    return info
+
+
+@lru_cache(maxsize=1)
+def _cache_path() -> Path:
+    """One file per (models source, torch version): an edit to a model measures it afresh."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgefl"
+    return root / f"model-info-{digest.hexdigest()[:16]}.json"
+
+
+_DISK: dict[str, Any] | None = None
+
+
+def _disk_cache() -> dict[str, Any]:
+    global _DISK
+    if _DISK is None:
+        try:
+            loaded = json.loads(_cache_path().read_text())
+            _DISK = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            _DISK = {}
+    return _DISK
+
+
+def _save_disk_cache(cache: dict[str, Any]) -> None:
+    path = _cache_path()
+    try:  # a cache: failing to write it (read-only home) costs time, nothing else
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -20,6 +20,7 @@ from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federati
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
 from edgefl.device import DeviceLoop, WorkDone
+from edgefl.heartbeat import Heartbeat
 from edgefl.report import human_bytes
 from edgefl.rundir import RunDir
 from edgefl.server.session import RunSession, model_meta, safe_name
@@ -87,7 +88,9 @@ class Simulation:
     def _work_seconds(self, device: str, work: WorkDone) -> float | None:
         return device_time(self.cfg, self.ds, self.slot_of[device], work.samples, work.bytes_up, work.bytes_down)
 
-    def run(self) -> dict[str, Any]:
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Play every round (``should_stop``, asked between rounds, ends the run early: models,
+        summary and metrics of what was played are written either way)."""
         cfg = self.cfg
         self.session.write_start()
         self._join()
@@ -96,11 +99,25 @@ class Simulation:
             console=self.console, transient=True, disable=not self.show_progress,
         )
         rounds_task = progress.add_task("rounds", total=cfg.rounds)
+        # the same progress as plain lines every 10 s when stderr is a log, not a terminal
+        heartbeat = Heartbeat(self.console, enabled=self.show_progress and not self.console.is_terminal)
 
         def on_event(kind: str, info: dict[str, Any]) -> None:  # a bar per round, advanced by each device's training
             if kind == "round":
-                task = progress.add_task(f"round {info['round']}: clients", total=len(info["selected"]))
-                self._advance = lambda: progress.advance(task)
+                r, n = info["round"], len(info["selected"])
+                task = progress.add_task(f"round {r}: clients", total=n)
+                trained = [0]
+                heartbeat.status(f"round {r}/{cfg.rounds}: training, 0/{n} devices done")
+
+                def advance() -> None:
+                    progress.advance(task)
+                    trained[0] += 1
+                    heartbeat.status(f"round {r}/{cfg.rounds}: training, {trained[0]}/{n} devices done")
+
+                self._advance = advance
+            elif kind == "evaluating":
+                progress.add_task(f"round {info['round']}: evaluating", total=None)
+                heartbeat.status(f"round {info['round']}/{cfg.rounds}: evaluating")
             elif kind == "closed":
                 for task in [t.id for t in progress.tasks if t.id != rounds_task]:
                     progress.remove_task(task)
@@ -110,13 +127,18 @@ class Simulation:
         def on_record(record: dict[str, Any]) -> None:
             if self.show_progress:
                 self.console.print(round_line(record, cfg.rounds))
+                heartbeat.printed()
             if self.on_round:
                 self.on_round(record)
 
         self._events = on_event
         try:
-            with progress:
-                summary = self.session.run(on_record=on_record)
+            with progress, heartbeat:
+                summary = self.session.run(on_record=on_record, should_stop=should_stop)
+        except KeyboardInterrupt:
+            if self.run_dir and not self.server.global_models():
+                self._save_client_models()
+            raise
         finally:
             self._events = lambda kind, info: None
         if self.run_dir and not self.server.global_models():

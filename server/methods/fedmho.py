@@ -132,7 +132,10 @@ class _OneShotGenerativeServer(ServerHalf):
     def write_artifacts(self, directory: Path) -> list[Path]:
         if self.preview is None:
             return []
-        return [save_sample_grid(self.preview, self.options.preview_per_class, directory / "synthetic-samples.png")]
+        from edgefl.data.datasets import IDX_SOURCES
+
+        names = list(IDX_SOURCES[self.dataset].class_names) if self.dataset in IDX_SOURCES else None
+        return [save_sample_grid(self.preview, self.options.preview_per_class, directory / "synthetic-samples.png", names)]
 
 
 class FedMHOServer(_OneShotGenerativeServer):

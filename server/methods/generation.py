@@ -139,9 +139,35 @@ def sample_grid(x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: i
     return torch.cat(rows)
 
 
-def save_sample_grid(grid: torch.Tensor, per_class: int, path: Path) -> Path:
-    from torchvision.utils import save_image
-
+def save_sample_grid(grid: torch.Tensor, per_class: int, path: Path, class_names: list[str] | None = None) -> Path:
+    """Synthetic samples, one labelled row per class, large enough to see (matplotlib; falls
+    back to torchvision's unlabelled grid without it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(grid, str(path), nrow=per_class, padding=2, pad_value=1.0)
+    images = grid.detach().float().cpu().clamp(0, 1)
+    rows = max(1, len(images) // max(per_class, 1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from torchvision.utils import save_image
+
+        save_image(images, str(path), nrow=per_class, padding=2, pad_value=1.0)
+        return path
+    fig, axes = plt.subplots(rows, per_class, figsize=(1.1 * per_class + 1.4, 1.1 * rows + 0.6), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if i < len(images):
+            img = images[i]
+            ax.imshow(img[0] if img.shape[0] == 1 else img.permute(1, 2, 0), cmap="gray" if img.shape[0] == 1 else None, vmin=0, vmax=1)
+        if i % per_class == 0:
+            row = i // per_class
+            ax.set_ylabel(class_names[row] if class_names and row < len(class_names) else f"class {row}", rotation=0,
+                          ha="right", va="center", fontsize=8)
+    fig.suptitle(f"Synthetic samples from the fused generator ({per_class} per class)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path

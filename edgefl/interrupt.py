@@ -1,0 +1,46 @@
+"""Ctrl-C and SIGTERM that stop a run cleanly: the first finishes the current round, then the run
+writes its models, summary and plots; a second stops at once (what is done is still written).
+
+A long run killed by an operator (SIGTERM from a scheduler, Ctrl-C at a terminal) must not lose
+the rounds it already played: the signal only sets a flag that the round loop reads between
+rounds. Handlers are installed for the duration of a ``with`` block and restored afterwards, and
+only in the main thread (where Python delivers signals).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+
+class StopRequest:
+    """``with StopRequest(say) as stop: ... stop.requested() ...``"""
+
+    def __init__(self, say: Callable[[str], None] = print) -> None:
+        self.say = say
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            raise KeyboardInterrupt(name)  # the second signal: stop now
+        self.signal_name = name
+        self.say(f"{name}: finishing the current round, then writing models, summary and plots "
+                 f"({'Ctrl-C' if signum == signal.SIGINT else 'the signal'} again stops at once)")
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
