@@ -22,8 +22,17 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 DataDir = Annotated[Optional[Path], typer.Option("--data-dir", "--data", help="folder holding the dataset's files (sets data.data_dir)")]
 
 
-def _with_data_dir(overrides: list[str], data_dir: Path | None) -> list[str]:
-    return [*overrides, *([f"data.data_dir={data_dir}"] if data_dir else [])]
+def _with_data_dir(overrides: list[str], data_dir: Path | None, track: str | None = None) -> list[str]:
+    """The command line's own options as the config overrides they stand for."""
+    out = [*overrides, *([f"data.data_dir={data_dir}"] if data_dir else [])]
+    if track:
+        names = [t.strip() for t in track.split(",") if t.strip()]
+        out.append("track=[" + ", ".join(f'"{t}"' for t in names) + "]")
+    return out
+
+
+#: experiment trackers from the command line (the config's ``track``)
+Track = Annotated[Optional[str], typer.Option("--track", help="feed trackers every round: tensorboard, mlflow (comma-separated)")]
 
 
 def _say_data(parts) -> None:
@@ -42,18 +51,19 @@ def simulate(
     show_config: Annotated[bool, typer.Option("--show-config", help="print the resolved config and exit")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
     data_dir: DataDir = None,
+    track: Track = None,
 ) -> None:
     """Run a federated training job in one process on a simulated fleet."""
     from edgefl.build import build_run
     from edgefl.config import load_config
-    from edgefl.report import accuracy_table, communication_table, draw_plots
+    from edgefl.report import accuracy_table, communication_table
     from edgefl.rundir import RunDir
     from edgefl.sim import Simulation
 
     from edgefl.interrupt import StopRequest
     from edgefl.server.session import build_server
 
-    cfg = load_config(config, _with_data_dir(set_, data_dir), preset)
+    cfg = load_config(config, _with_data_dir(set_, data_dir, track), preset)
     parts = build_run(cfg)  # config, data and models checked before anything is written
     build_server(cfg, parts.ds, parts.slots)  # the method's own checks (a one-shot method's rounds...)
     if show_config:  # validated exactly as the run would be
@@ -73,12 +83,10 @@ def simulate(
     if summary.get("interrupted"):
         done = len(run.metrics()) if (run.path / "metrics.jsonl").is_file() else 0
         if done:
-            draw_plots(run)
             out.print(accuracy_table(run))
         err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {done} of {cfg.rounds} rounds; models, summary and "
                   f"plots of what ran are in {run.path} (edgefl report {run.path})")
         raise typer.Exit(130)
-    draw_plots(run)
     out.print(accuracy_table(run))
     out.print(communication_table(run))
     out.print(f"run directory: {run.path}  (plots in {run.path / 'plots'})")
@@ -141,6 +149,7 @@ def fleet(
     broker: Annotated[Optional[str], typer.Option(help="use this broker instead of starting mosquitto")] = None,
     preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted")] = "demo",
     data_dir: DataDir = None,
+    track: Track = None,
 ) -> None:
     """A fleet on this machine: a broker, the server and one process per device, over MQTT."""
     from edgefl.build import build_run
@@ -148,7 +157,7 @@ def fleet(
     from edgefl.fleet.launcher import run_fleet
     from edgefl.rundir import RunDir
 
-    cfg = load_config(config, _with_data_dir(set_, data_dir), preset)
+    cfg = load_config(config, _with_data_dir(set_, data_dir, track), preset)
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
@@ -172,6 +181,7 @@ def server(
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate of a TLS broker")] = None,
     resume: Annotated[bool, typer.Option(help="continue the interrupted run in --out from its last saved round")] = False,
     data_dir: DataDir = None,
+    track: Track = None,
 ) -> None:
     """Run the server half of a config over MQTT (the GPU server of a real fleet)."""
     import os
@@ -181,7 +191,7 @@ def server(
     from edgefl.fleet.launcher import serve
     from edgefl.rundir import RunDir
 
-    cfg = load_config(config, _with_data_dir(set_, data_dir), "demo")
+    cfg = load_config(config, _with_data_dir(set_, data_dir, track), "demo")
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
     if resume:

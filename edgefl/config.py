@@ -234,6 +234,10 @@ class RunConfig(Strict):
     export: list[Literal["onnx", "tflite", "int8"]] = Field(
         default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
     )
+    track: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list, description="experiment trackers fed every round (--track): TensorBoard event files in RUN_DIR/tensorboard, "
+                                          "MLflow runs (pip install 'edgefl[track]')")
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI (default: a file store in RUN_DIR/mlruns)")
 
     @model_validator(mode="after")
     def _quorum_reachable(self) -> RunConfig:

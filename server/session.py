@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,15 +18,19 @@ from edgefl.build import DeviceSlot, RunParts, partition_record
 from edgefl.config import RunConfig
 from edgefl.data import Dataset, class_counts
 from edgefl.environment import machine, package_versions
-from edgefl.errors import ConfigError
+from edgefl.errors import ConfigError, EdgeflError
 from edgefl.methods import get_method
 from edgefl.models import get_spec
+from edgefl.report import draw_plots
 from edgefl.rundir import RunDir
 from edgefl.server.evaluation import Evaluator
 from edgefl.server.methods import ClientInfo
 from edgefl.server.orchestrator import EventSink, Orchestrator
 from edgefl.server.state import load_state, save_state
+from edgefl.tracking import Trackers
 from edgefl.transport.base import ServerTransport
+
+log = logging.getLogger("edgefl.server")
 
 STATE_FILE = "server-state.safetensors"
 #: record fields that depend on the machine and the moment, not on the run's numbers
@@ -53,6 +58,7 @@ class RunSession:
         self.orchestrator = Orchestrator(cfg, self.spec, self.server, transport, parts.device_ids, federation, self.evaluator,
                                          deadline_s=deadline_s, profiles=profiles, on_event=on_event)
         self.start = self._start_record(runner, federation, start_facts or {})
+        self.trackers = Trackers(cfg, None)  # opened when the rounds start (run)
         self._t0 = time.perf_counter()
 
     def _start_record(self, runner: str, federation: str, facts: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +109,7 @@ class RunSession:
         if self.run_dir is None:
             return
         self.run_dir.append_metrics(record)
+        self.trackers.log_round(record)
         if self.save_state_each_round:
             # after every round, so a restarted server resumes where this one stopped
             save_state(self.server, self.run_dir.path / STATE_FILE,
@@ -117,6 +124,7 @@ class RunSession:
             if on_record is not None:
                 on_record(record)
 
+        self.trackers = Trackers(self.cfg, self.run_dir.path if self.run_dir else None)
         try:
             self.orchestrator.run(first_round, after, should_stop)
         except KeyboardInterrupt:
@@ -145,12 +153,19 @@ class RunSession:
         }
 
     def finish(self, interrupted: bool = False) -> dict[str, Any]:
+        """The run's end, also after an interruption: models, summary, plots, trackers closed."""
         summary = self.summary()
         summary["rounds_played"] = len(self.orchestrator.history)
         summary["interrupted"] = interrupted
         if self.run_dir is not None:
             save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
             self.run_dir.write_json("summary.json", summary)
+            if self.run_dir.metrics():
+                try:
+                    draw_plots(self.run_dir)
+                except EdgeflError as exc:  # matplotlib missing (a lean server install): the numbers are saved
+                    log.warning("no plots: %s", exc.message)
+        self.trackers.finish(summary, interrupted)
         return summary
 
 
