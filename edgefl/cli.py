@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -35,7 +36,19 @@ def _with_data_dir(overrides: list[str], data_dir: Path | None, track: str | Non
 Track = Annotated[Optional[str], typer.Option("--track", help="feed trackers every round: tensorboard, mlflow (comma-separated)")]
 
 
+def _say_devices(parts) -> None:
+    """Which device class got which model (fleets described by profiles: the point of model = "auto")."""
+    seen: dict[tuple[str, str, bool], int] = {}
+    for slot in parts.slots:
+        if slot.profile is not None:
+            key = (slot.profile.id, slot.arch, slot.group.model == "auto")
+            seen[key] = seen.get(key, 0) + 1
+    for (profile, arch, auto), count in seen.items():
+        err.print(f"devices: {count} x {profile} -> {arch}" + (" (assigned: the largest model its budgets allow)" if auto else ""))
+
+
 def _say_data(parts) -> None:
+    _say_devices(parts)
     ds = parts.ds
     err.print(f"data: {ds.name}, {len(ds.y_train)} train / {len(ds.y_test)} test samples, {ds.num_classes} classes, from {ds.source}")
     for path in ds.files:
@@ -105,6 +118,25 @@ def simulate(
 EXIT_ROUNDS_FAILED = 3
 
 
+@contextmanager
+def _stoppable():
+    """SIGINT/SIGTERM finish the current round (:class:`~edgefl.interrupt.StopRequest`), and a
+    heartbeat line keeps a log alive while the server waits for devices."""
+    from edgefl.heartbeat import Heartbeat
+    from edgefl.interrupt import StopRequest
+
+    with StopRequest(lambda text: err.print(f"[yellow]{text}[/]")) as stop, Heartbeat(err, every_s=10 if not err.is_terminal else 30,
+                                                                                          enabled=True) as beat:
+        yield stop, beat
+
+
+def _fail_on_interrupt(summary: dict, stop, run_path: Path, how_to_continue: str) -> None:
+    if summary.get("interrupted"):
+        err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {summary.get('rounds_played')} of {summary.get('rounds')} "
+                  f"rounds; models, summary and plots of what ran are in {run_path}{how_to_continue}")
+        raise typer.Exit(130)
+
+
 def _fail_on_failed_rounds(summary: dict, run_path: Path) -> None:
     """A run whose rounds failed did not achieve what was asked: say which, exit non-zero."""
     failed = summary.get("failed_rounds") or []
@@ -114,9 +146,22 @@ def _fail_on_failed_rounds(summary: dict, run_path: Path) -> None:
         raise typer.Exit(EXIT_ROUNDS_FAILED)
 
 
-def _fleet_printer(console: Console, total: int):
-    """Fleet progress as lines: who joined, who uploaded, round state."""
+def _fleet_printer(console: Console, total: int, beat=None):
+    """Fleet progress as lines: who joined, who uploaded, round state (and the status a
+    :class:`~edgefl.heartbeat.Heartbeat` repeats while the server waits)."""
+    waiting: dict[str, Any] = {}
+
     def on_event(kind: str, info: dict) -> None:
+        if beat is not None:
+            beat.printed()
+            if kind == "round":
+                waiting.update(round=info["round"], selected=len(info["selected"]), reported=0)
+            elif kind == "upload" and waiting:
+                waiting["reported"] += 1
+            elif kind == "evaluating":
+                beat.status(f"round {info['round']}/{total}: evaluating")
+            if kind in ("round", "upload") and waiting:
+                beat.status(f"round {waiting['round']}/{total}: {waiting['reported']}/{waiting['selected']} devices reported, waiting")
         if kind == "presence":
             console.print(f"  {info['device']} {'joined' if info['online'] else 'went offline'}")
         elif kind == "resumed":
@@ -163,10 +208,13 @@ def fleet(
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
-    summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds), parts=parts)
+    with _stoppable() as (stop, beat):
+        summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat), parts=parts,
+                            should_stop=stop.requested)
     acc = summary["final_accuracy"]
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
     out.print(f"run directory: {run.path}")
+    _fail_on_interrupt(summary, stop, run.path, "")
     _fail_on_failed_rounds(summary, run.path)
 
 
@@ -201,10 +249,12 @@ def server(
     else:
         run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
-    summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds), username, os.environ.get(password_env),
-                    str(ca_file) if ca_file else None, resume=resume, parts=parts)
+    with _stoppable() as (stop, beat):
+        summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds, beat), username, os.environ.get(password_env),
+                        str(ca_file) if ca_file else None, resume=resume, parts=parts, should_stop=stop.requested)
     acc = summary["final_accuracy"]
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
+    _fail_on_interrupt(summary, stop, run.path, f" (continue it: edgefl server ... --out {run.path} --resume)")
     _fail_on_failed_rounds(summary, run.path)
 
 

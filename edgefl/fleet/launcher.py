@@ -87,7 +87,8 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
 def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console | None = None,
           on_event: Callable[[str, dict[str, Any]], None] | None = None,
           username: str | None = None, password: str | None = None, ca_file: str | None = None,
-          join_timeout_s: float | None = None, resume: bool = False, parts: RunParts | None = None) -> dict[str, Any]:
+          join_timeout_s: float | None = None, resume: bool = False, parts: RunParts | None = None,
+          should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Run the server side of ``cfg`` against the devices that join through ``broker`` (``parts``:
     the run already built, so a caller can check config and data before it creates anything)."""
     from edgefl.server.session import RunSession
@@ -113,7 +114,7 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
         on_event("resumed", {"round": first})
     try:
         session.orchestrator.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s)
-        summary = session.run(first)
+        summary = session.run(first, should_stop=should_stop)
     finally:
         transport.close()
     summary["history"] = session.orchestrator.history
@@ -122,7 +123,8 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
 
 def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, console: Console | None = None,
               broker: str | None = None, device_timeout_s: float = 600.0, broker_kind: str = "auto",
-              on_event: Callable[[str, dict[str, Any]], None] | None = None, parts: RunParts | None = None) -> dict[str, Any]:
+              on_event: Callable[[str, dict[str, Any]], None] | None = None, parts: RunParts | None = None,
+              should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """A broker (mosquitto on a free loopback port unless ``broker`` is given), the server in this
     process and one ``edgefl client`` process per device."""
     from edgefl.fleet.broker import mosquitto_binary, start_embedded, start_mosquitto
@@ -157,8 +159,9 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
                      "--device-id", device, "--timeout", str(device_timeout_s), "--state-dir", str(work / "state" / device)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         console.print(f"started {len(procs)} device processes (logs in {logs})")
-        summary = serve(cfg, broker, run_dir, console, on_event, parts=parts)
-        deadline = time.monotonic() + 60
+        summary = serve(cfg, broker, run_dir, console, on_event, parts=parts, should_stop=should_stop)
+        # devices exit by themselves after the run's "done"; an interrupted run announces none
+        deadline = time.monotonic() + (0 if summary.get("interrupted") else 60)
         for device, proc in procs.items():
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))

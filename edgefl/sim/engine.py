@@ -178,7 +178,12 @@ def round_line(record: dict[str, Any], total: int) -> str:
     acc = record["accuracy"]
     acc_txt = f"acc {acc['overall']:.4f}" if acc and acc["overall"] is not None else "acc  -    "
     outcome = "" if record.get("outcome") in (None, "complete") else f"  [{record['outcome']}]"
+    clock = ""
+    if record.get("round_virtual_s") is not None:  # a fleet described by device classes: its virtual time
+        by_class = ", ".join(f"{k} {v:.1f}s" for k, v in (record.get("virtual_time_by_profile") or {}).items())
+        stragglers = record.get("stragglers") or []
+        clock = f"  virtual {record['round_virtual_s']:.1f}s ({by_class})" + (f", {len(stragglers)} straggler(s) dropped" if stragglers else "")
     return (
         f"round {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
-        f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}"
+        f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}"
     )
