@@ -60,9 +60,12 @@ def draw_plots(run: RunDir) -> list[Path]:
     if any(m["bytes_up"] or m["bytes_down"] for m in metrics):  # a method that shares nothing gets no empty chart
         fig, ax = plt.subplots(figsize=(8, 4))
         rounds = [m["round"] for m in metrics]
-        ax.bar([r - 0.2 for r in rounds], [m["bytes_up"] / 1e6 for m in metrics], width=0.4, label="up (all clients)")
-        ax.bar([r + 0.2 for r in rounds], [m["bytes_down"] / 1e6 for m in metrics], width=0.4, label="down (all clients)")
-        ax.set(xlabel="round", ylabel="MB (10^6 bytes), linear", title="Communication per round (serialised messages)")
+        peak = max(max(m["bytes_up"], m["bytes_down"]) for m in metrics)
+        unit, scale = next((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("bytes", 1)) if peak >= f or f == 1)
+        ax.bar([r - 0.2 for r in rounds], [m["bytes_up"] / scale for m in metrics], width=0.4, label="up (all clients)")
+        ax.bar([r + 0.2 for r in rounds], [m["bytes_down"] / scale for m in metrics], width=0.4, label="down (all clients)")
+        label = unit if unit == "bytes" else f"{unit} (10^{len(str(int(scale))) - 1} bytes)"
+        ax.set(xlabel="round", ylabel=f"{label}, linear axis", title="Communication per round (serialised messages)")
         ax.set_ylim(bottom=0)
         round_axis(ax, rounds)
         ax.legend()
