@@ -12,6 +12,8 @@ artifacts, the run's status). TensorBoard writes into ``RUN_DIR/tensorboard``; M
 from __future__ import annotations
 
 import json
+import os
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,10 @@ class MlflowTracker:
             raise EdgeflError("track = mlflow needs the mlflow package", hint="pip install 'edgefl[track]'") from None
         self.mlflow = mlflow
         self.uri = tracking_uri or (run_path / "mlruns").resolve().as_uri()
+        if self.uri.startswith("file:"):
+            # MLflow 3 keeps its file store only on request; a run directory's own store needs no
+            # database server (or the SQLAlchemy a SQLite store would pull onto a device's host)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(cfg.name)
         self.run = mlflow.start_run(run_name=run_path.name)
@@ -83,7 +89,8 @@ class MlflowTracker:
         mlflow.set_tags({"edgefl.method": cfg.method.name, "edgefl.dataset": cfg.data.dataset, "edgefl.run_dir": str(run_path)})
 
     def log_round(self, record: dict[str, Any]) -> None:
-        scalars = {name.replace("/", "."): value for name, value in round_scalars(record).items()}
+        # MLflow names allow letters, digits and _-. :/ only: "fedhe-cnn-0(width=0.25)" -> "fedhe-cnn-0_width_0.25_"
+        scalars = {re.sub(r"[^A-Za-z0-9_\-. :/]", "_", name.replace("/", ".")): value for name, value in round_scalars(record).items()}
         self.mlflow.log_metrics(scalars, step=record["round"])
 
     def finish(self, summary: dict[str, Any], run_path: Path, interrupted: bool) -> None:
