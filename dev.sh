@@ -61,7 +61,8 @@ case "$job" in
         exec "$VENV/bin/edgefl" simulate "$@"
         ;;
     test)
-        apt_install dataset-fashion-mnist mosquitto
+        # chromium: the dashboard's browser tests (driven by Playwright)
+        apt_install dataset-fashion-mnist mosquitto chromium
         setup_venv
         # lint first (pyproject.toml [tool.ruff]): a finding fails the run before the slow tests
         "$VENV/bin/ruff" check . || { echo "ruff found problems (see above); fix them or run: $VENV/bin/ruff check --fix ." >&2; exit 1; }

@@ -32,6 +32,21 @@ def _with_data_dir(overrides: list[str], data_dir: Path | None, track: str | Non
     return out
 
 
+#: a live page over the run (edgefl dashboard) beside a fleet's server
+DashboardAt = Annotated[Optional[str], typer.Option("--dashboard", help="serve the live dashboard at [HOST:]PORT (127.0.0.1 unless a host is named)")]
+
+
+def _open_dashboard(run_path: Path, where: str | None):
+    if not where:
+        return None
+    from edgefl.dashboard import parse_address, start_dashboard
+
+    host, port = parse_address(where)
+    board = start_dashboard(run_path, host, port)
+    err.print(f"dashboard: {board.url}")
+    return board
+
+
 #: experiment trackers from the command line (the config's ``track``)
 Track = Annotated[Optional[str], typer.Option("--track", help="feed trackers every round: tensorboard, mlflow (comma-separated)")]
 
@@ -195,6 +210,7 @@ def fleet(
     preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted")] = "demo",
     data_dir: DataDir = None,
     track: Track = None,
+    dashboard: DashboardAt = None,
 ) -> None:
     """A fleet on this machine: a broker, the server and one process per device, over MQTT."""
     from edgefl.build import build_run
@@ -208,9 +224,12 @@ def fleet(
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
+    board = _open_dashboard(run.path, dashboard)
     with _stoppable() as (stop, beat):
         summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat), parts=parts,
                             should_stop=stop.requested)
+    if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
+        board.stop()
     acc = summary["final_accuracy"]
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
     out.print(f"run directory: {run.path}")
@@ -230,6 +249,7 @@ def server(
     resume: Annotated[bool, typer.Option(help="continue the interrupted run in --out from its last saved round")] = False,
     data_dir: DataDir = None,
     track: Track = None,
+    dashboard: DashboardAt = None,
 ) -> None:
     """Run the server half of a config over MQTT (the GPU server of a real fleet)."""
     import os
@@ -249,9 +269,12 @@ def server(
     else:
         run = RunDir.create(out_dir, cfg.name, cfg.seed)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
+    board = _open_dashboard(run.path, dashboard)
     with _stoppable() as (stop, beat):
         summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds, beat), username, os.environ.get(password_env),
                         str(ca_file) if ca_file else None, resume=resume, parts=parts, should_stop=stop.requested)
+    if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
+        board.stop()
     acc = summary["final_accuracy"]
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
     _fail_on_interrupt(summary, stop, run.path, f" (continue it: edgefl server ... --out {run.path} --resume)")
@@ -545,6 +568,25 @@ def _bytes(v: float) -> str:
 
 def _qty(q, fmt) -> str:
     return "?" if not q.known else f"{fmt(q.value)} ({q.kind[0]})"
+
+
+@app.command()
+def dashboard(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory (running or finished)")],
+    host: Annotated[str, typer.Option(help="address to listen on; any other than 127.0.0.1 asks for an access token")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 8050,
+) -> None:
+    """A live, read-only web page over a run: devices, the current round, accuracy, traffic, refusals."""
+    from edgefl.dashboard import start_dashboard
+
+    if not run_dir.is_dir() or not (run_dir / "run.json").is_file():
+        raise EdgeflError(f"{run_dir} is not a run directory (no run.json)", hint="pass a folder under runs/, or the --out of a run")
+    board = start_dashboard(run_dir, host, port)
+    err.print(f"dashboard of {run_dir}: {board.url}  (Ctrl-C stops it)")
+    try:
+        board.thread.join()  # type: ignore[union-attr]
+    except KeyboardInterrupt:
+        board.stop()
 
 
 @app.command()

@@ -429,7 +429,7 @@ class Orchestrator:
                 st.bytes_down[device] = len(body)
             else:
                 st.bytes_control += sent
-        self.on_event("round", {"round": r, "selected": selected})
+        self.on_event("round", {"round": r, "selected": selected, "deadline_unix": time.time() + self.deadline_s})
         for device, (early, size) in sorted(self.early.items()):
             if early.round == r:
                 self._upload(device, early, size, {})

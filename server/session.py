@@ -24,6 +24,7 @@ from edgefl.models import get_spec
 from edgefl.report import draw_plots
 from edgefl.rundir import RunDir
 from edgefl.server.evaluation import Evaluator
+from edgefl.server.live import LiveState
 from edgefl.server.methods import ClientInfo
 from edgefl.server.orchestrator import EventSink, Orchestrator
 from edgefl.server.state import load_state, save_state
@@ -55,11 +56,24 @@ class RunSession:
         personal = {s.client_id for s in parts.slots if s.test_indices is not None or s.view is not None}
         self.evaluator = Evaluator(parts.x_test, parts.y_test, cfg.eval.batch_size, archs, judged, personal)
         profiles = {s.client_id: s.profile.id for s in parts.slots if s.profile is not None}
+        self.live = None
+        if run_dir is not None:  # what the dashboard shows while the run goes on
+            facts = {s.client_id: {"arch": s.arch, "profile": s.profile.id if s.profile else None,
+                                   "judged": s.client_id in judged, "samples": int(len(s.sample_indices))} for s in parts.slots}
+            self.live = LiveState(run_dir.path, facts, cfg.rounds, cfg.network.quorum, runner)
         self.orchestrator = Orchestrator(cfg, self.spec, self.server, transport, parts.device_ids, federation, self.evaluator,
-                                         deadline_s=deadline_s, profiles=profiles, on_event=on_event)
+                                         deadline_s=deadline_s, profiles=profiles, on_event=self._events(on_event))
         self.start = self._start_record(runner, federation, start_facts or {})
         self.trackers = Trackers(cfg, None)  # opened when the rounds start (run)
         self._t0 = time.perf_counter()
+
+    def _events(self, sink: EventSink | None) -> EventSink:
+        def on_event(kind: str, info: dict[str, Any]) -> None:
+            if self.live is not None:
+                self.live.on_event(kind, info)
+            if sink is not None:
+                sink(kind, info)
+        return on_event
 
     def _start_record(self, runner: str, federation: str, facts: dict[str, Any]) -> dict[str, Any]:
         ds, cfg = self.parts.ds, self.cfg
@@ -166,6 +180,8 @@ class RunSession:
                 except EdgeflError as exc:  # matplotlib missing (a lean server install): the numbers are saved
                     log.warning("no plots: %s", exc.message)
         self.trackers.finish(summary, interrupted)
+        if self.live is not None:
+            self.live.finish(interrupted)
         return summary
 
 
