@@ -28,6 +28,9 @@ def test_wheel_installs_server_and_exporters_inside_edgefl(tmp_path):
     assert tops <= {"edgefl", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
     assert "edgefl/server/methods/fedhe.py" in names and "edgefl/exporters/__init__.py" in names
     assert "edgefl/defaults/fedhe-fashion-mnist.toml" in names and "edgefl/firmware_profiles/__init__.py" in names
+    # the dashboard's page and its vendored chart library: no network at run time
+    assert {"edgefl/dashboard/static/index.html", "edgefl/dashboard/static/app.js",
+            "edgefl/dashboard/static/vendor/chart.umd.min.js"} <= set(names)
     # every package of the source tree made it into the wheel (a missing one only fails once installed)
     for init in sorted(ROOT.glob("edgefl/**/__init__.py")):
         assert str(init.relative_to(ROOT)) in names, f"{init.parent.name} is missing from pyproject's packages"
