@@ -163,3 +163,17 @@ def test_hundreds_of_devices_are_paged(tmp_path):
             browser.close()
     finally:
         board.stop()
+
+
+def test_the_command_line_serves_beside_a_fleet_and_refuses_what_is_not_a_run(tmp_path):
+    pytest.importorskip("starlette")
+    from tests.test_cli import ROOT, edgefl
+
+    out = tmp_path / "run"
+    res = edgefl("fleet", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "rounds=1", "--set", "threads=1",
+                 "--out", str(out), "--dashboard", "127.0.0.1:0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "dashboard: http://127.0.0.1:" in res.stderr
+    assert json.loads((out / "live.json").read_text())["status"] == "finished"
+    res = edgefl("dashboard", str(tmp_path))
+    assert res.returncode == 2 and "is not a run directory" in res.stderr

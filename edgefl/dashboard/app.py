@@ -86,7 +86,8 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
         except (OSError, ValueError):
             rounds_planned = None
     return {
-        "run": {"name": run_dir.name, "method": run.get("method"), "dataset": (run.get("dataset") or {}).get("name"),
+        "run": {"name": run.get("name") or run_dir.name, "directory": run_dir.name,
+                "method": run.get("method"), "dataset": (run.get("dataset") or {}).get("name"),
                 "runner": run.get("runner"), "rounds": rounds_planned, "seed": run.get("seed"),
                 "deadline_s": run.get("deadline_s"), "virtual_clock": bool(run.get("device_profiles"))},
         "status": status,
