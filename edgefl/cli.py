@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,13 +120,16 @@ def simulate(
     out.print(communication_table(run))
     out.print(f"run directory: {run.path}  (plots in {run.path / 'plots'})")
     if cfg.export:
-        formats = tuple(f for f in cfg.export if f != "int8")
+        formats = tuple(f for f in cfg.export if f != "int8") or ("onnx", "tflite")  # export = ["int8"]: int8 of both
         err.print(f"exporting the final models: {', '.join(formats)}{' + int8' if 'int8' in cfg.export else ''}")
         try:
             _export_and_print(run.path, run.path / "export", formats, "int8" in cfg.export, 1, True, False, None, None, None)
         except EdgeflError as exc:  # the run itself is saved: say so, then fail
             err.print(f"[red]export failed[/]: {exc}\nthe run is complete in {run.path}; retry with `edgefl export {run.path}`")
             raise typer.Exit(1) from None
+        except typer.Exit:
+            err.print(f"the run is complete in {run.path}; retry the failed exports with `edgefl export {run.path}`")
+            raise
     _fail_on_failed_rounds(summary, run.path)
 
 
@@ -339,7 +343,8 @@ def export(
     source: Annotated[Path, typer.Argument(help="a run directory, or a .safetensors weights file")],
     format_: Annotated[str, typer.Option("--format", help="comma-separated: onnx, tflite")] = "onnx,tflite",
     int8: Annotated[bool, typer.Option("--int8", help="also write int8 files, calibrated on real training samples")] = False,
-    batch: Annotated[int, typer.Option(help="the fixed batch of the phone files (TFLite can be resized at run time)")] = 1,
+    batch: Annotated[int, typer.Option(help="the fixed batch of the phone files (a TFLite file keeps it: resizing it at run "
+                                            "time fails under the XNNPACK delegate; the dynamic-batch ONNX file takes any)")] = 1,
     dynamic_batch: Annotated[bool, typer.Option("--dynamic-batch/--no-dynamic-batch", help="also write a dynamic-batch ONNX file")] = True,
     channels_last: Annotated[bool, typer.Option("--channels-last", help="TFLite image inputs/outputs in NHWC")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="output folder (default RUN_DIR/export)")] = None,
@@ -359,8 +364,15 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
 
     from edgefl.exporters import default_out_dir, export_model, sources_from_path
 
+    known = ("onnx", "tflite")
+    if not formats:
+        raise EdgeflError("--format names no format: nothing would be exported", hint="--format onnx,tflite (or one of them)")
+    unknown = [f for f in formats if f not in known]
+    if unknown:
+        raise EdgeflError(f"--format {','.join(unknown)}: unknown format", hint="choose from onnx, tflite")
     sources = sources_from_path(source, model=model, select=select)
     out_dir = default_out_dir(source) if out_dir is None else out_dir
+    _check_writable(Path(out_dir))
     ds = None
     if dataset or data_dir:
         from edgefl.data import load_dataset
@@ -369,20 +381,51 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     table = Table(title=f"exports in {out_dir}")
     for col in ("file", "size", "precision", "batch", "max |diff|", "test acc", "agree", "mobile EPs"):
         table.add_column(col, justify="left" if col == "file" else "right")
-    with err.status("exporting") as status:
-        for src in sources:
-            files = export_model(src, out_dir, formats=formats, int8=int8, batch=batch, dynamic_batch=dynamic_batch,
-                                 channels_last=channels_last, dataset=ds, log=lambda m, s=src: status.update(f"{s.name}: {m}"))
-            for f in files:
-                mob = f.extra.get("mobile_usability")
-                table.add_row(
-                    f.path.name, _bytes(f.path.stat().st_size), f.precision, "dynamic" if f.batch is None else str(f.batch),
-                    f"{f.parity.max_abs_diff:.1e}" if f.parity else (f"rel {f.extra['relative_error']:.1e}" if "relative_error" in f.extra else "-"),
-                    "-" if f.accuracy is None else f"{f.accuracy:.4f}", "-" if f.agreement is None else f"{f.agreement:.3f}",
-                    "-" if not mob else f"NNAPI {mob['nnapi']['supported_nodes']}/{mob['nnapi']['nodes']}",
-                )
+    failed: list[str] = []
+    try:
+        with err.status("exporting") as status:
+            for src in sources:
+                try:
+                    files = export_model(src, out_dir, formats=formats, int8=int8, batch=batch, dynamic_batch=dynamic_batch,
+                                         channels_last=channels_last, dataset=ds, log=lambda m, s=src: status.update(f"{s.name}: {m}"))
+                except (EdgeflError, OSError) as exc:  # one model's failure: reported, the others still exported
+                    reason = exc.message if isinstance(exc, EdgeflError) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
+                    failed.append(src.name)
+                    table.add_row(f"[red]{src.name}: FAILED[/]", "-", "-", "-", "-", "-", "-", reason[:120])
+                    continue
+                _add_rows(table, files)
+    except KeyboardInterrupt:
+        out.print(table)
+        err.print("interrupted: the table shows what was exported before")
+        raise typer.Exit(130) from None
     out.print(table)
     out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; each file has a .json sidecar (shapes, normalisation, labels, SHA-256)")
+    if failed:
+        err.print(f"[red]{len(failed)} of {len(sources)} models failed[/]: {', '.join(failed)} (reasons in the table)")
+        raise typer.Exit(1)
+
+
+def _check_writable(folder: Path) -> None:
+    """A folder that cannot take the files is one line with a hint, before any work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".edgefl-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise EdgeflError(f"cannot write into {folder}: {exc.strerror or exc}",
+                          hint="pass a writable folder with --out, or free some space") from None
+
+
+def _add_rows(table, files) -> None:
+    for f in files:
+        mob = f.extra.get("mobile_usability")
+        table.add_row(
+            f.path.name, _bytes(f.path.stat().st_size), f.precision, "dynamic" if f.batch is None else str(f.batch),
+            f"{f.parity.max_abs_diff:.1e}" if f.parity else (f"rel {f.extra['relative_error']:.1e}" if "relative_error" in f.extra else "-"),
+            "-" if f.accuracy is None else f"{f.accuracy:.4f}", "-" if f.agreement is None else f"{f.agreement:.3f}",
+            "-" if not mob else f"NNAPI {mob['nnapi']['supported_nodes']}/{mob['nnapi']['nodes']}",
+        )
 
 
 @app.command()

@@ -145,3 +145,17 @@ def test_missing_data_is_reported_before_anything_is_written(tmp_path, command):
     assert "mnist not found in" in res.stderr and "--data-dir DIR" in res.stderr and "Traceback" not in res.stderr
     assert "install it with put" not in res.stderr
     assert not out.exists()
+
+
+def test_export_refuses_an_empty_format_and_an_unwritable_folder_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    res = edgefl("simulate", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "method.name=fedavg", "--set", "rounds=1",
+                 "--out", str(run), "-q")
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = edgefl("export", str(run), "--format", "")
+    assert res.returncode == 2 and "--format names no format" in res.stderr and "Traceback" not in res.stderr
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    res = edgefl("export", str(run), "--format", "onnx", "--out", str(blocker / "exports"))
+    assert res.returncode == 2 and "cannot write into" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 3
