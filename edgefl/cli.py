@@ -24,7 +24,7 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 DataDir = Annotated[Optional[Path], typer.Option("--data-dir", "--data", help="folder holding the dataset's files (sets data.data_dir)")]
 
 
-def _with_data_dir(overrides: list[str], data_dir: Path | None, track: str | None = None) -> list[str]:
+def _cli_overrides(overrides: list[str], data_dir: Path | None, track: str | None = None) -> list[str]:
     """The command line's own options as the config overrides they stand for."""
     out = [*overrides, *([f"data.data_dir={data_dir}"] if data_dir else [])]
     if track:
@@ -92,7 +92,7 @@ def simulate(
     from edgefl.interrupt import StopRequest
     from edgefl.server.session import build_server
 
-    cfg = load_config(config, _with_data_dir(set_, data_dir, track), preset)
+    cfg = load_config(config, _cli_overrides(set_, data_dir, track), preset)
     parts = build_run(cfg)  # config, data and models checked before anything is written
     build_server(cfg, parts.ds, parts.slots)  # the method's own checks (a one-shot method's rounds...)
     if show_config:  # validated exactly as the run would be
@@ -222,7 +222,7 @@ def fleet(
     from edgefl.fleet.launcher import run_fleet
     from edgefl.rundir import RunDir
 
-    cfg = load_config(config, _with_data_dir(set_, data_dir, track), preset)
+    cfg = load_config(config, _cli_overrides(set_, data_dir, track), preset)
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
@@ -263,7 +263,7 @@ def server(
     from edgefl.fleet.launcher import serve
     from edgefl.rundir import RunDir
 
-    cfg = load_config(config, _with_data_dir(set_, data_dir, track), "demo")
+    cfg = load_config(config, _cli_overrides(set_, data_dir, track), "demo")
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
     if resume:
@@ -307,7 +307,7 @@ def client(
     from edgefl.config import load_config
     from edgefl.fleet.launcher import device_state_dir, federation, run_device
 
-    cfg = load_config(config, _with_data_dir(set_, data_dir), "demo")
+    cfg = load_config(config, _cli_overrides(set_, data_dir), "demo")
     password = os.environ.get(password_env)
     if keep_state and state_dir is None:
         state_dir = device_state_dir(federation(cfg), device_id)

@@ -14,6 +14,7 @@ import json
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ RECENT = 50
 
 
 class LiveState:
-    def __init__(self, path: Path, devices: dict[str, dict[str, Any]], rounds: int, quorum: float, runner: str) -> None:
+    def __init__(self, path: Path, devices: dict[str, dict[str, Any]], rounds: int, quorum_count: Callable[[int], int],
+                 runner: str) -> None:
         self.path = path / LIVE_FILE
         self.doc: dict[str, Any] = {
             "runner": runner, "rounds": rounds, "status": "starting", "updated_unix": time.time(),
@@ -32,7 +34,7 @@ class LiveState:
                                            "last_reason": None} for d, facts in devices.items()},
             "rejections": [], "rejections_total": 0,
         }
-        self._quorum = quorum
+        self._quorum_count = quorum_count  # the round loop's own rule (NetworkSettings.quorum_count)
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self._written = 0.0
         self.write(force=True)
@@ -44,8 +46,7 @@ class LiveState:
             devices[info["device"]]["online"] = bool(info["online"])
         elif kind == "round":
             selected = info["selected"]
-            quorum = self._quorum if self._quorum > 1 else max(1, int(-(-self._quorum * len(selected) // 1)))
-            self.doc["round"] = {"round": info["round"], "selected": selected, "reported": [], "quorum": quorum,
+            self.doc["round"] = {"round": info["round"], "selected": selected, "reported": [], "quorum": self._quorum_count(len(selected)),
                                  "deadline_unix": info.get("deadline_unix"), "started_unix": time.time(), "outcome": None}
             self.doc["status"] = "running"
             force = True
