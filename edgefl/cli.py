@@ -123,7 +123,7 @@ def simulate(
         formats = tuple(f for f in cfg.export if f != "int8") or ("onnx", "tflite")  # export = ["int8"]: int8 of both
         err.print(f"exporting the final models: {', '.join(formats)}{' + int8' if 'int8' in cfg.export else ''}")
         try:
-            _export_and_print(run.path, run.path / "export", formats, "int8" in cfg.export, 1, True, False, None, None, None)
+            _export_and_print(run.path, run.path / "export", formats, "int8" in cfg.export, 1, True, None, None, None, None)
         except EdgeflError as exc:  # the run itself is saved: say so, then fail
             err.print(f"[red]export failed[/]: {exc}\nthe run is complete in {run.path}; retry with `edgefl export {run.path}`")
             raise typer.Exit(1) from None
@@ -346,7 +346,11 @@ def export(
     batch: Annotated[int, typer.Option(help="the fixed batch of the phone files (a TFLite file keeps it: resizing it at run "
                                             "time fails under the XNNPACK delegate; the dynamic-batch ONNX file takes any)")] = 1,
     dynamic_batch: Annotated[bool, typer.Option("--dynamic-batch/--no-dynamic-batch", help="also write a dynamic-batch ONNX file")] = True,
-    channels_last: Annotated[bool, typer.Option("--channels-last", help="TFLite image inputs/outputs in NHWC")] = False,
+    channels_last: Annotated[Optional[bool], typer.Option("--channels-last/--channels-first",
+                                                          help="TFLite image inputs/outputs NHWC (the default, TFLite's "
+                                                               "convention) or NCHW like PyTorch; ONNX files stay NCHW")] = None,
+    micro: Annotated[bool, typer.Option("--micro", help="also TFLite Micro: integer-only int8 file as a C array (NAME.int8.h), "
+                                                         "the op resolver it needs and its measured tensor arena")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="output folder (default RUN_DIR/export)")] = None,
     model: Annotated[Optional[str], typer.Option(help="architecture of a weights file without metadata")] = None,
     select: Annotated[Optional[str], typer.Option(help="only the run's models whose file name contains this")] = None,
@@ -355,11 +359,11 @@ def export(
 ) -> None:
     """Export a run's global model (or any zoo model's weights) to ONNX and TFLite, checked against PyTorch."""
     formats = tuple(f.strip() for f in format_.split(",") if f.strip())
-    _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset, data_dir)
+    _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset, data_dir, micro)
 
 
 def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset,
-                      data_dir=None) -> None:
+                      data_dir=None, micro=False) -> None:
     from rich.table import Table
 
     from edgefl.exporters import default_out_dir, export_model, sources_from_path
@@ -370,6 +374,8 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     unknown = [f for f in formats if f not in known]
     if unknown:
         raise EdgeflError(f"--format {','.join(unknown)}: unknown format", hint="choose from onnx, tflite")
+    if micro and "tflite" not in formats:
+        raise EdgeflError("--micro needs the TFLite format", hint="--format tflite (or onnx,tflite)")
     sources = sources_from_path(source, model=model, select=select)
     out_dir = default_out_dir(source) if out_dir is None else out_dir
     _check_writable(Path(out_dir))
@@ -379,7 +385,7 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
 
         ds = load_dataset(dataset or sources[0].dataset, data_dir)
     table = Table(title=f"exports in {out_dir}")
-    for col in ("file", "size", "precision", "batch", "max |diff|", "test acc", "agree", "mobile EPs"):
+    for col in ("file", "size", "precision", "batch", "max |diff|", "test acc", "agree", "latency", "mobile / micro"):
         table.add_column(col, justify="left" if col == "file" else "right")
     failed: list[str] = []
     try:
@@ -387,11 +393,12 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
             for src in sources:
                 try:
                     files = export_model(src, out_dir, formats=formats, int8=int8, batch=batch, dynamic_batch=dynamic_batch,
-                                         channels_last=channels_last, dataset=ds, log=lambda m, s=src: status.update(f"{s.name}: {m}"))
+                                         channels_last=channels_last, micro=micro, dataset=ds,
+                                         log=lambda m, s=src: status.update(f"{s.name}: {m}"))
                 except (EdgeflError, OSError) as exc:  # one model's failure: reported, the others still exported
                     reason = exc.message if isinstance(exc, EdgeflError) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
                     failed.append(src.name)
-                    table.add_row(f"[red]{src.name}: FAILED[/]", "-", "-", "-", "-", "-", "-", reason[:120])
+                    table.add_row(f"[red]{src.name}: FAILED[/] (no file of it kept)", "-", "-", "-", "-", "-", "-", "-", reason[:160])
                     continue
                 _add_rows(table, files)
     except KeyboardInterrupt:
@@ -399,7 +406,9 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
         err.print("interrupted: the table shows what was exported before")
         raise typer.Exit(130) from None
     out.print(table)
-    out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; each file has a .json sidecar (shapes, normalisation, labels, SHA-256)")
+    out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; int8 TFLite files are integer-only; latency: median of one "
+              "call at the file's batch on one thread here; each file has a .json sidecar (names, shapes, dtypes, quantisation, "
+              "normalisation, labels, SHA-256)")
     if failed:
         err.print(f"[red]{len(failed)} of {len(sources)} models failed[/]: {', '.join(failed)} (reasons in the table)")
         raise typer.Exit(1)
@@ -419,12 +428,19 @@ def _check_writable(folder: Path) -> None:
 
 def _add_rows(table, files) -> None:
     for f in files:
-        mob = f.extra.get("mobile_usability")
+        mob, micro, lat = f.extra.get("mobile_usability"), f.extra.get("micro"), f.extra.get("latency")
+        notes = []
+        if mob:
+            notes.append(f"NNAPI {mob['nnapi']['supported_nodes']}/{mob['nnapi']['nodes']}")
+        if f.extra.get("integer_only"):
+            notes.append("integer-only")
+        if micro:
+            notes.append(f"TFLM arena {_bytes(micro['arena_bytes'])}, {micro['c_header']}")
         table.add_row(
             f.path.name, _bytes(f.path.stat().st_size), f.precision, "dynamic" if f.batch is None else str(f.batch),
             f"{f.parity.max_abs_diff:.1e}" if f.parity else (f"rel {f.extra['relative_error']:.1e}" if "relative_error" in f.extra else "-"),
             "-" if f.accuracy is None else f"{f.accuracy:.4f}", "-" if f.agreement is None else f"{f.agreement:.3f}",
-            "-" if not mob else f"NNAPI {mob['nnapi']['supported_nodes']}/{mob['nnapi']['nodes']}",
+            "-" if not lat else f"{lat['median_ms']:.3g} ms", ", ".join(notes) or "-",
         )
 
 

@@ -80,6 +80,14 @@ class OnnxRunner:
         shape = self.session.get_inputs()[0].shape
         self.fixed_batch = shape[0] if isinstance(shape[0], int) else None
 
+    def io(self) -> dict[str, list[dict[str, Any]]]:
+        """Names, shapes ("batch" for a symbolic dimension) and dtypes as ONNX Runtime reports them."""
+        def entry(arg: Any) -> dict[str, Any]:
+            dtype = {"tensor(float)": "float32", "tensor(int8)": "int8", "tensor(uint8)": "uint8"}.get(arg.type, arg.type)
+            return {"name": arg.name, "shape": [d if isinstance(d, int) else "batch" for d in arg.shape], "dtype": dtype}
+
+        return {"inputs": [entry(a) for a in self.session.get_inputs()], "outputs": [entry(a) for a in self.session.get_outputs()]}
+
     def __call__(self, *arrays: np.ndarray) -> np.ndarray:
         return self.session.run(None, dict(zip(self.inputs, arrays)))[0]
 
@@ -134,3 +142,18 @@ def mobile_usability(path: Path) -> dict[str, Any]:
                           "unsupported_ops": sorted(info.unsupported_ops)}
     record["usable"] = any(record[ep]["verdict"] != "NO" for ep in checks)
     return record
+
+
+def embed_onnx_metadata(path: Path, props: dict[str, str], version: int, doc: str) -> None:
+    """Describe the model inside the file: ``metadata_props`` (what ONNX Runtime's
+    ``get_modelmeta().custom_metadata_map`` returns), ``model_version`` and ``doc_string``."""
+    import onnx
+
+    model = onnx.load(str(path))
+    del model.metadata_props[:]
+    for key, value in props.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    model.model_version = int(version)
+    model.doc_string = doc
+    onnx.save(model, str(path))

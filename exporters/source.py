@@ -40,6 +40,10 @@ class ModelSource:
     run: str | None = None
     round: int | None = None
     weights_path: str | None = None
+    weights_sha256: str | None = None
+    run_name: str | None = None  # from the run's run.json, when the weights came from a run
+    method: str | None = None
+    seed: int | None = None
 
     @property
     def latent_dim(self) -> int | None:
@@ -107,12 +111,37 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
     kind = "classifier"
     if spec.kind != "classifier":
         module, kind = DecoderForExport(module).eval(), "decoder"
+    from edgefl.exporters.metadata import sha256_file
+
+    run = path.parent.parent if path.parent.name == "models" else None
+    facts = _run_facts(run) if run is not None else {}
     return ModelSource(
         name=path.stem, model=name, model_options=options, module=module, kind=kind, num_classes=classes,
         input_shape=shape, class_names=list(meta.get("class_names") or [str(i) for i in range(classes)]),
-        dataset=meta.get("dataset"), run=str(path.parent.parent) if path.parent.name == "models" else None,
-        round=meta.get("round"), weights_path=str(path),
+        dataset=meta.get("dataset"), run=str(run) if run is not None else None,
+        round=meta.get("round"), weights_path=str(path), weights_sha256=sha256_file(path),
+        run_name=facts.get("name"), method=facts.get("method"), seed=facts.get("seed"),
     )
+
+
+def _run_facts(run: Path) -> dict[str, Any]:
+    """Name, method and seed from a run's run.json (empty when it has none or it is unreadable)."""
+    import json
+
+    try:
+        record = json.loads((run / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(record.get("name"), str):
+        out["name"] = record["name"][:200]
+    if isinstance(record.get("method"), str):
+        out["method"] = record["method"][:100]
+    if isinstance(record.get("seed"), int) and not isinstance(record.get("seed"), bool):
+        out["seed"] = record["seed"]
+    return out
 
 
 def sources_from_path(path: str | Path, model: str | None = None, select: str | None = None, **kw) -> list[ModelSource]:
@@ -134,12 +163,15 @@ def sources_from_path(path: str | Path, model: str | None = None, select: str | 
     return [load_weights_file(path, model, **kw)]
 
 
-def from_module(module: nn.Module, model: str, num_classes: int, input_shape: tuple[int, ...], **options: Any) -> ModelSource:
-    """Wrap an in-memory zoo model (tests, notebooks, the end of a run)."""
+def from_module(module: nn.Module, model: str, num_classes: int, input_shape: tuple[int, ...], *,
+                dataset: str | None = None, class_names: list[str] | None = None, **options: Any) -> ModelSource:
+    """Wrap an in-memory zoo model (tests, notebooks, the end of a run). Without ``class_names``
+    the export takes the class names of the dataset it checks the model on."""
     spec = get_spec(model)
     module = module.eval()
     kind = "classifier"
     if spec.kind != "classifier":
         module, kind = DecoderForExport(module).eval(), "decoder"
     return ModelSource(name=model, model=model, model_options=dict(options), module=module, kind=kind,
-                       num_classes=num_classes, input_shape=tuple(input_shape), class_names=[str(i) for i in range(num_classes)])
+                       num_classes=num_classes, input_shape=tuple(input_shape), dataset=dataset,
+                       class_names=list(class_names) if class_names else [])

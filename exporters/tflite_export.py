@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from edgefl.exporters.onnx_export import ExportError
 
@@ -61,14 +62,43 @@ def channels_last_wrapper(module: torch.nn.Module, kind: str, sample: tuple[torc
     return litert_torch.to_channel_last_io(module, outputs=[0]), sample
 
 
-def convert(module: torch.nn.Module, sample: tuple[torch.Tensor, ...], path: Path,
+class _Named(nn.Module):
+    """Gives the file's signature the same input and output names as the ONNX file."""
+
+    def __init__(self, module: nn.Module, output: str) -> None:
+        super().__init__()
+        self.module, self.output = module, output
+
+
+class _NamedClassifier(_Named):
+    def forward(self, input: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: A002 (the tensor's name in the file)
+        return {self.output: self.module(input)}
+
+
+class _NamedDecoder(_Named):
+    def forward(self, z: torch.Tensor, y_onehot: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {self.output: self.module(z, y_onehot)}
+
+
+def io_names(kind: str) -> tuple[list[str], str]:
+    """Input names and the output name, shared by the ONNX and TFLite files."""
+    return (["input"], "logits") if kind == "classifier" else (["z", "y_onehot"], "sample")
+
+
+def convert(module: torch.nn.Module, sample: tuple[torch.Tensor, ...], path: Path, kind: str = "classifier",
             calibration: Iterable[tuple[torch.Tensor, ...]] | None = None) -> Path:
-    """Convert to ``path``: float, or static int8 when ``calibration`` batches are given."""
+    """Convert to ``path``: float, or integer-only int8 when ``calibration`` batches are given.
+
+    The signature (``serving_default``) takes the inputs by the names of :func:`io_names` and
+    returns the output under its name, as the ONNX file does."""
     litert_torch = _litert_torch()
+    names, output = io_names(kind)
+    named = (_NamedClassifier if kind == "classifier" else _NamedDecoder)(module.eval(), output).eval()
+    kwargs = dict(zip(names, sample))
     try:
         with _quiet():
             if calibration is None:
-                edge = litert_torch.convert(module.eval(), sample)
+                edge = litert_torch.convert(named, (), sample_kwargs=kwargs)
             else:
                 from litert_torch.quantize import pt2e_quantizer
                 from litert_torch.quantize.quant_config import QuantConfig
@@ -76,13 +106,13 @@ def convert(module: torch.nn.Module, sample: tuple[torch.Tensor, ...], path: Pat
 
                 quantizer = pt2e_quantizer.PT2EQuantizer().set_global(
                     pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
-                graph = torch.export.export(module.eval(), sample).module()
+                graph = torch.export.export(named, (), kwargs).module()
                 graph = quantize_pt2e.prepare_pt2e(graph, quantizer)
                 with torch.no_grad():
                     for batch in calibration:
-                        graph(*batch)
+                        graph(**dict(zip(names, batch)))
                 graph = quantize_pt2e.convert_pt2e(graph, fold_quantize=False)
-                edge = litert_torch.convert(graph, sample, quant_config=QuantConfig(pt2e_quantizer=quantizer))
+                edge = litert_torch.convert(graph, (), sample_kwargs=kwargs, quant_config=QuantConfig(pt2e_quantizer=quantizer))
             edge.export(str(path))
     except ExportError:
         raise
@@ -110,9 +140,9 @@ def _interpreter_class():
                           hint="pip install ai-edge-litert (or tflite-runtime on Python <= 3.11 images)") from None
 
 
-def resizable(path: Path, sample: tuple[np.ndarray, ...]) -> bool:
+def resizable(path: Path, sample: tuple[np.ndarray, ...], input_order: list[str] | None = None) -> bool:
     """Whether the interpreter accepts a batch other than the file's (``resize_tensor_input``)."""
-    runner = TFLiteRunner(path)
+    runner = TFLiteRunner(path, input_order=input_order)
     try:
         runner(*(np.concatenate([a, a, a]) for a in sample))
         return True
@@ -121,42 +151,58 @@ def resizable(path: Path, sample: tuple[np.ndarray, ...]) -> bool:
 
 
 class TFLiteRunner:
-    """The LiteRT interpreter over one file: resizes the batch as needed, quantises int8 inputs
-    and dequantises int8 outputs with the scales in the file, so callers pass and get floats."""
+    """The LiteRT interpreter over one file, called through the file's signature by input name
+    (as an app does): quantises int8 inputs and dequantises int8 outputs with the scales in the
+    file, so callers pass and get floats; :meth:`raw` passes and returns the file's own dtypes."""
 
-    def __init__(self, path: Path, threads: int | None = None) -> None:
+    def __init__(self, path: Path, threads: int | None = None, input_order: list[str] | None = None) -> None:
+        """``input_order``: the names positional arrays stand for (a signature lists its inputs
+        sorted by name, which is not the model's order: a decoder takes z, then y_onehot)."""
         cls, self.runtime = _interpreter_class()
         self.interpreter = cls(model_path=str(path), num_threads=threads or 1)
-        self.interpreter.allocate_tensors()
-        self._batch = int(self.interpreter.get_input_details()[0]["shape"][0])
+        signatures = self.interpreter.get_signature_list()
+        if not signatures:
+            raise ExportError(f"{path.name} has no signature", hint="re-export it with edgefl export")
+        self.signature_key = next(iter(signatures))
+        self.input_names = list(signatures[self.signature_key]["inputs"])
+        if input_order is not None:
+            if sorted(input_order) != sorted(self.input_names):
+                raise ExportError(f"{path.name}: its signature takes {self.input_names}, not {input_order}")
+            self.input_names = list(input_order)
+        self.output_names = list(signatures[self.signature_key]["outputs"])
+        self.runner = self.interpreter.get_signature_runner(self.signature_key)
+        self.inputs = self.runner.get_input_details()
+        self.outputs = self.runner.get_output_details()
 
-    def quantization(self) -> dict[str, Any]:
-        def q(d: dict) -> dict:
+    def io(self) -> dict[str, list[dict[str, Any]]]:
+        """What the runtime sees: signature names, tensor names, shapes, dtypes, quantisation."""
+        def entry(name: str, d: dict) -> dict:
             scale, zero = d["quantization"]
-            return {"name": d["name"], "dtype": np.dtype(d["dtype"]).name, "scale": float(scale), "zero_point": int(zero)}
+            return {"name": name, "tensor": d["name"], "shape": [int(v) for v in d["shape"]],
+                    "dtype": np.dtype(d["dtype"]).name, "scale": float(scale), "zero_point": int(zero)}
 
-        return {"inputs": [q(d) for d in self.interpreter.get_input_details()],
-                "outputs": [q(d) for d in self.interpreter.get_output_details()]}
+        return {"inputs": [entry(n, self.inputs[n]) for n in self.input_names],
+                "outputs": [entry(n, self.outputs[n]) for n in self.output_names]}
 
-    def __call__(self, *arrays: np.ndarray) -> np.ndarray:
-        it = self.interpreter
-        details = it.get_input_details()
-        n = arrays[0].shape[0]
-        if n != self._batch:
-            for d, a in zip(details, arrays):
-                it.resize_tensor_input(d["index"], list(a.shape))
-            it.allocate_tensors()
-            self._batch = n
-            details = it.get_input_details()
-        for d, a in zip(details, arrays):
+    def quantise(self, *arrays: np.ndarray) -> list[np.ndarray]:
+        out = []
+        for name, a in zip(self.input_names, arrays):
+            d = self.inputs[name]
             if np.dtype(d["dtype"]) == np.int8:
                 scale, zero = d["quantization"]
                 a = np.clip(np.round(a / scale) + zero, -128, 127).astype(np.int8)
-            it.set_tensor(d["index"], np.ascontiguousarray(a, dtype=d["dtype"]))
-        it.invoke()
-        out = it.get_output_details()[0]
-        y = it.get_tensor(out["index"])
-        if np.dtype(out["dtype"]) == np.int8:
-            scale, zero = out["quantization"]
-            y = (y.astype(np.float32) - zero) * scale
+            out.append(np.ascontiguousarray(a, dtype=d["dtype"]))
+        return out
+
+    def raw(self, *arrays: np.ndarray) -> np.ndarray:
+        return self.runner(**dict(zip(self.input_names, arrays)))[self.output_names[0]]
+
+    def dequantise(self, y: np.ndarray) -> np.ndarray:
+        d = self.outputs[self.output_names[0]]
+        if np.dtype(d["dtype"]) == np.int8:
+            scale, zero = d["quantization"]
+            return (y.astype(np.float32) - zero) * scale
         return y
+
+    def __call__(self, *arrays: np.ndarray) -> np.ndarray:
+        return self.dequantise(self.raw(*self.quantise(*arrays)))

@@ -109,6 +109,8 @@ class Dataset:
     class_names: tuple[str, ...]
     source: str
     files: tuple[str, ...] = ()  # the exact files read (IDX data sets)
+    #: per-feature (mean, std) the raw features were standardised with, for tabular sets
+    standardisation: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -314,9 +316,11 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
     else:
         raise DataError(f"unknown scikit-learn dataset {name!r}")
     xtr, xte, ytr, yte = train_test_split(x, raw.target, test_size=test_fraction, random_state=split_seed, stratify=raw.target)
+    standardisation = None
     if name == "breast-cancer":
         mean, std = xtr.mean(0), xtr.std(0) + 1e-8
         xtr, xte = (xtr - mean) / std, (xte - mean) / std
+        standardisation = (tuple(float(v) for v in mean), tuple(float(v) for v in std))
     return Dataset(
         name=name,
         x_train=torch.from_numpy(np.ascontiguousarray(xtr)),
@@ -325,6 +329,7 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
         y_test=torch.from_numpy(yte.astype(np.int64)),
         class_names=names,
         source=f"sklearn.datasets ({name})",
+        standardisation=standardisation,
     )
 
 
