@@ -4,6 +4,9 @@
 #   ./dev.sh test [pytest options]            lint (ruff) and the test suite (what .ci/run calls)
 #   ./dev.sh bench NAME [options]             a benchmark from bench/
 #   ./dev.sh edgefl ARGS...                   any edgefl command inside the environment
+#   ./dev.sh arm-device [bench options]       an emulated 64-bit ARM device (Debian arm64 root file system
+#                                             under qemu-user-static, edgefl installed as on a Pi), then
+#                                             bench/arm_device.py: profile, fleet run under a RAM cap, footprints
 # Set-up is idempotent: the virtual environment (.venv, or $EDGEFL_VENV) is rebuilt only when
 # pyproject.toml changes. As root it also installs the Debian packages the job needs.
 set -euo pipefail
@@ -54,6 +57,51 @@ setup_venv() {
     echo "$want" > "$stamp"
 }
 
+arm_device_root() {
+    # A Debian bookworm arm64 root file system (what Raspberry Pi OS 64-bit is built on), made once
+    # and cached; edgefl goes in as a user installs it on a Pi: a venv, the aarch64 torch wheels
+    # from PyPI, then edgefl's core package (a wheel built from this checkout). Needs root (chroot).
+    ARM_ROOT=${EDGEFL_ARM_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/edgefl/arm64-bookworm}
+    [ "$(id -u)" -eq 0 ] || { echo "error: the ARM device needs root (debootstrap, chroot, a memory cgroup)" >&2; exit 1; }
+    if [ ! -e /proc/sys/fs/binfmt_misc/register ]; then
+        mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+    fi
+    update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
+    [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || { echo "error: no qemu-aarch64 binfmt handler (qemu-user-static)" >&2; exit 1; }
+    if [ ! -x "$ARM_ROOT/usr/bin/python3" ]; then
+        echo "building the arm64 root file system in $ARM_ROOT (once; about 10 minutes under emulation)" >&2
+        mkdir -p "$(dirname "$ARM_ROOT")"
+        rm -rf "$ARM_ROOT.partial"
+        debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+            bookworm "$ARM_ROOT.partial" "${EDGEFL_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >&2
+        mv "$ARM_ROOT.partial" "$ARM_ROOT"
+    fi
+    # this machine's CA bundle (a proxy may sign PyPI's certificate) and its resolver, for pip
+    cp /etc/ssl/certs/ca-certificates.crt "$ARM_ROOT/etc/ssl/certs/host-ca-bundle.crt"
+    cp /etc/resolv.conf "$ARM_ROOT/etc/resolv.conf" 2>/dev/null || true
+    rm -rf "$ROOT/build/arm-wheel" && "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$ROOT/build/arm-wheel" . >&2
+    local wheel stamp want
+    wheel=$(ls "$ROOT"/build/arm-wheel/edgefl-*.whl)
+    want=$(sha256sum "$wheel" | cut -c1-16)
+    stamp="$ARM_ROOT/opt/edgefl/.edgefl-stamp"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        echo "installing edgefl in the ARM device (venv /opt/edgefl, torch ${EDGEFL_ARM_TORCH:-2.9.1} for aarch64)" >&2
+        # the host's PIP_* settings name host paths; requests takes the CA bundle from REQUESTS_CA_BUNDLE
+        local devpip=(/usr/bin/env -u PIP_CERT -u PIP_FIND_LINKS PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180
+                      REQUESTS_CA_BUNDLE=/etc/ssl/certs/host-ca-bundle.crt /opt/edgefl/bin/pip)
+        [ -x "$ARM_ROOT/opt/edgefl/bin/python" ] || chroot "$ARM_ROOT" python3 -m venv /opt/edgefl
+        chroot "$ARM_ROOT" "${devpip[@]}" install -q \
+            "torch==${EDGEFL_ARM_TORCH:-2.9.1}" "torchvision==${EDGEFL_ARM_TORCHVISION:-0.24.1}" >&2
+        cp "$wheel" "$ARM_ROOT/tmp/"
+        chroot "$ARM_ROOT" "${devpip[@]}" install -q --force-reinstall --no-deps "/tmp/$(basename "$wheel")" >&2
+        chroot "$ARM_ROOT" "${devpip[@]}" install -q "/tmp/$(basename "$wheel")" >&2
+        echo "$want" > "$stamp"
+    fi
+    # the device's own data: the Fashion-MNIST files where Debian puts them
+    mkdir -p "$ARM_ROOT/usr/share/datasets"
+    [ -d "$ARM_ROOT/usr/share/datasets/fashion-mnist" ] || cp -r /usr/share/datasets/fashion-mnist "$ARM_ROOT/usr/share/datasets/"
+}
+
 case "$job" in
     demo)
         apt_install dataset-fashion-mnist
@@ -82,7 +130,13 @@ case "$job" in
         apt_install dataset-fashion-mnist mosquitto
         setup_venv
         ;;
+    arm-device)
+        apt_install dataset-fashion-mnist mosquitto qemu-user-static debootstrap binfmt-support
+        setup_venv
+        arm_device_root
+        exec "$VENV/bin/python" bench/arm_device.py --root "$ARM_ROOT" "$@"
+        ;;
     *)
-        echo "usage: ./dev.sh demo|test|bench NAME|edgefl ARGS|setup" >&2; exit 2
+        echo "usage: ./dev.sh demo|test|bench NAME|edgefl ARGS|setup|arm-device" >&2; exit 2
         ;;
 esac

@@ -596,6 +596,13 @@ def assign(
         table.add_row(v.label, e.kind, f"{e.params:,}", _si(e.flops_per_sample), _bytes(e.train_memory_bytes),
                       "?" if e.round_s is None else f"{e.round_s:.1f} s", mark)
     out.print(table)
+    mem = profile.memory
+    if mem.runtime_bytes.known:
+        out.print(f"the edgefl client runtime itself takes {_bytes(mem.runtime_bytes.value)} ({mem.runtime_bytes.kind}: "
+                  f"{mem.runtime_bytes.source}); the training budget is at most RAM minus that")
+    else:
+        out.print("[yellow]this profile does not give the client runtime's footprint[/] (memory.runtime_bytes): "
+                  "measure it with `edgefl device-profile` on the device")
     if result.chosen is None:
         out.print(f"[bold red]{profile.id} cannot take part:[/] {result.reason}")
         raise typer.Exit(1)

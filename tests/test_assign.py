@@ -172,3 +172,17 @@ def test_operator_statistics_sort_work_by_kind():
     cvae = forward_stats("cvae-large", (), (1, 28, 28), 10)
     assert cvae.conv_flops > 0 and cvae.transposed_conv_flops > 0 and cvae.linear_flops > 0 and cvae.random_elements > 0
     assert resnet.transposed_conv_flops == 0
+
+
+def test_the_client_runtime_footprint_caps_the_training_budget():
+    from edgefl.profile.assign import training_budget
+
+    prof = board(300 * 2**20)
+    assert training_budget(prof) == 300 * 2**20  # no runtime known: the profile's budget
+    raw = prof.model_dump(by_alias=True)
+    raw["memory"]["ram_bytes"] = {"value": 512 * 2**20, "kind": "spec", "source": "test"}
+    raw["memory"]["runtime_bytes"] = {"value": 400 * 2**20, "kind": "measured", "source": "test"}
+    capped = DeviceProfile.model_validate(raw)
+    assert training_budget(capped) == 112 * 2**20  # a budget that forgot the runtime is capped
+    lean = [("cnn-small", {}), ("vgg9", {})]
+    assert assign(capped, Budgets(deadline_s=1e9), candidates=lean).chosen.label == "cnn-small"

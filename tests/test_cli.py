@@ -154,6 +154,8 @@ def test_export_refuses_an_empty_format_and_an_unwritable_folder_in_one_line(tmp
     assert res.returncode == 0, res.stderr[-2000:]
     res = edgefl("export", str(run), "--format", "")
     assert res.returncode == 2 and "--format names no format" in res.stderr and "Traceback" not in res.stderr
+    res = edgefl("export", str(run), "--format", "onnx", "--micro")
+    assert res.returncode == 2 and "--micro needs the TFLite format" in res.stderr and "Traceback" not in res.stderr
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     res = edgefl("export", str(run), "--format", "onnx", "--out", str(blocker / "exports"))

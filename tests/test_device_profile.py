@@ -55,6 +55,9 @@ def test_cli_quick_profile_writes_a_loadable_measured_profile(tmp_path):
     assert p.id == "test-host"
     for q in (p.cpu.cores, p.memory.ram_bytes, p.memory.storage_bytes, p.compute.matmul_gflops, p.compute.effective_gflops):
         assert q.kind == "measured" and q.value > 0 and "edgefl device-profile" in q.source
+    # the client runtime's own footprint is measured and taken out of the training budget
+    assert p.memory.runtime_bytes.kind == "measured" and 50 * 2**20 < p.memory.runtime_bytes.value < p.memory.ram_bytes.value
+    assert "client runtime's footprint" in p.memory.training_budget_bytes.source
     m = p.measurements["models"][0]
     assert m["train_memory_bytes"] > 0 and 0 < m["optimizer_s"] < m["step_s"]
     if sys.platform == "linux":  # anonymous memory: file-backed library pages vary with the page cache

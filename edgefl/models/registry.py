@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from edgefl.errors import ConfigError
 
@@ -98,6 +97,10 @@ class ModelInfo:
 
 def count_flops(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     """Forward FLOPs measured with torch's FLOP counter (eval mode, no grad)."""
+    # imported here: the counter pulls in triton on CUDA builds (~90 MiB resident), which a device
+    # process that never counts FLOPs should not pay
+    from torch.utils.flop_counter import FlopCounterMode
+
     was_training = model.training
     model.eval()
     try:

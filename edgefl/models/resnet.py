@@ -11,37 +11,47 @@ which is what keeps these nets trainable on a 2-core CPU. Two stems:
 
 from __future__ import annotations
 
+import functools
+
 from typing import Literal
 
 from torch import nn
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from edgefl.models.registry import ModelSpec, register
 from edgefl.models.split import SplitClassifier, with_feature_width
 
-BLOCKS: dict[str, tuple[type[nn.Module], list[int]]] = {
-    "resnet10": (BasicBlock, [1, 1, 1, 1]),
-    "resnet14": (BasicBlock, [1, 1, 2, 2]),
-    "resnet18": (BasicBlock, [2, 2, 2, 2]),
-    "resnet22": (BasicBlock, [2, 2, 3, 3]),
-    "resnet26": (BasicBlock, [3, 3, 3, 3]),
-    "resnet34": (BasicBlock, [3, 4, 6, 3]),
-    "resnet50": (Bottleneck, [3, 4, 6, 3]),
+# torchvision is imported when a ResNet is built, not when the zoo is: importing it costs a device
+# process about 170 MiB of resident memory (measured on x86; bench/arm_device.py), which a Pi Zero
+# training a small CNN should not pay.
+BLOCKS: dict[str, tuple[str, list[int]]] = {
+    "resnet10": ("BasicBlock", [1, 1, 1, 1]),
+    "resnet14": ("BasicBlock", [1, 1, 2, 2]),
+    "resnet18": ("BasicBlock", [2, 2, 2, 2]),
+    "resnet22": ("BasicBlock", [2, 2, 3, 3]),
+    "resnet26": ("BasicBlock", [3, 3, 3, 3]),
+    "resnet34": ("BasicBlock", [3, 4, 6, 3]),
+    "resnet50": ("Bottleneck", [3, 4, 6, 3]),
 }
 
 
-class _ScaledResNet(ResNet):
-    """torchvision's ResNet with every stage's channel count multiplied by ``width``."""
+@functools.cache
+def _scaled_resnet_class() -> type[nn.Module]:
+    from torchvision.models.resnet import ResNet
 
-    def __init__(self, block: type[nn.Module], layers: list[int], num_classes: int, width: float) -> None:
-        self._width = width
-        self._base = max(4, round(64 * width))
-        super().__init__(block, layers, num_classes=num_classes)  # type: ignore[arg-type]
+    class _ScaledResNet(ResNet):
+        """torchvision's ResNet with every stage's channel count multiplied by ``width``."""
 
-    def _make_layer(self, block, planes, blocks, stride=1, dilate=False):  # type: ignore[override]
-        if planes == 64:  # first stage: the stem's output width, scaled
-            self.inplanes = self._base
-        return super()._make_layer(block, max(4, round(planes * self._width)), blocks, stride, dilate)
+        def __init__(self, block: type[nn.Module], layers: list[int], num_classes: int, width: float) -> None:
+            self._width = width
+            self._base = max(4, round(64 * width))
+            super().__init__(block, layers, num_classes=num_classes)  # type: ignore[arg-type]
+
+        def _make_layer(self, block, planes, blocks, stride=1, dilate=False):  # type: ignore[override]
+            if planes == 64:  # first stage: the stem's output width, scaled
+                self.inplanes = self._base
+            return super()._make_layer(block, max(4, round(planes * self._width)), blocks, stride, dilate)
+
+    return _ScaledResNet
 
 
 def build_resnet(
@@ -52,11 +62,14 @@ def build_resnet(
     stem: Literal["small", "imagenet"] = "small",
     feature_dim: int | None = None,
     return_reference: bool = False,
-) -> SplitClassifier | tuple[SplitClassifier, ResNet]:
+) -> SplitClassifier | tuple[SplitClassifier, nn.Module]:
     """Build a split ResNet; ``return_reference`` also returns the torchvision module sharing
     its layers, so tests can check that the split composes to torchvision's own forward."""
-    block, layers = BLOCKS[depth_name]
-    net = _ScaledResNet(block, layers, num_classes, width)
+    from torchvision.models import resnet as tv_resnet
+
+    block_name, layers = BLOCKS[depth_name]
+    block = getattr(tv_resnet, block_name)
+    net = _scaled_resnet_class()(block, layers, num_classes, width)
     in_channels = input_shape[0]
     base = net._base
     if stem == "small":
@@ -98,6 +111,6 @@ for _name, (_block, _layers) in BLOCKS.items():
             kind="classifier",
             builder=_make_builder(_name),
             family="resnet",
-            description=f"torchvision ResNet, {_block.__name__} {_layers}; options width, stem, feature_dim",
+            description=f"torchvision ResNet, {_block} {_layers}; options width, stem, feature_dim",
         )
     )

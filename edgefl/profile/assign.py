@@ -62,11 +62,22 @@ def _label(name: str, options: dict) -> str:
     return name + (f"({','.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
 
 
+def training_budget(profile: DeviceProfile) -> float | None:
+    """The RAM a round may train in: the profile's budget, never more than RAM minus the measured
+    footprint of the edgefl client runtime itself (a budget that forgot the runtime is capped)."""
+    mem = profile.memory
+    budget = mem.training_budget_bytes.value if mem.training_budget_bytes.known else None
+    if mem.ram_bytes.known and mem.runtime_bytes.known:
+        ceiling = mem.ram_bytes.value - mem.runtime_bytes.value
+        budget = ceiling if budget is None else min(budget, ceiling)
+    return budget
+
+
 def judge(est: CostEstimate, label: str, profile: DeviceProfile, budgets: Budgets) -> Verdict:
     unchecked: list[str] = []
-    mem_budget = profile.memory.training_budget_bytes
-    if mem_budget.known:
-        limit = budgets.headroom * mem_budget.value
+    mem_budget = training_budget(profile)
+    if mem_budget is not None:
+        limit = budgets.headroom * mem_budget
         if est.train_memory_bytes > limit:
             return Verdict(est, label, False, f"memory: needs {_mib(est.train_memory_bytes)} of {_mib(limit)}")
     else:

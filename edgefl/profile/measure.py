@@ -183,6 +183,31 @@ def broker_round_trip(url: str, messages: int = 20, size: int = 64 * 1024, timeo
     return {"rtt_ms_p50": statistics.median(rtts) * 1000, "throughput_mbps": throughput, "message_bytes": size}
 
 
+_RUNTIME_PROBE = """
+import json, psutil, torch
+import edgefl.cli, edgefl.device, edgefl.fleet.launcher, edgefl.transport.mqtt
+m = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(72, 2))
+opt = torch.optim.Adam(m.parameters())
+m(torch.zeros(2, 1, 8, 8)).sum().backward()
+opt.step()
+print(json.dumps({"rss": psutil.Process().memory_info().rss}))
+"""
+
+
+def runtime_footprint(timeout_s: float = 600.0) -> int | None:
+    """Resident bytes of a fresh process that imports what `edgefl client` imports and takes one
+    training step of a tiny model: the memory a device pays before its own model exists."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, timeout=timeout_s)
+        return int(json.loads(out.stdout.strip().splitlines()[-1])["rss"]) if out.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError, KeyError, OSError):
+        return None
+
+
 def profile_host(
     models: list[ModelCandidate],
     batch: int = 32,
@@ -234,7 +259,11 @@ def profile_host(
         accel = {"type": "cuda", "name": f"{props.name} (capability {props.major}.{props.minor})",
                  "memory_bytes": _measured(props.total_memory, "torch.cuda.get_device_properties"),
                  "shared_memory": platform.machine() == "aarch64"}
-    budget = vm.available
+    on_step("the edgefl client runtime's own footprint")
+    runtime = runtime_footprint()
+    # what a client would have: the available RAM, plus what this profiling process holds (it
+    # exits before a client starts), minus the client runtime's own resident memory
+    budget = vm.available + psutil.Process().memory_info().rss - runtime if runtime else vm.available
     raw = {
         "schema": SCHEMA,
         "id": profile_id or "".join(ch if ch.isalnum() else "-" for ch in hostname.lower()).strip("-") or "this-host",
@@ -246,7 +275,10 @@ def profile_host(
         "cpu": {"model": cpu_model_name(), "cores": _measured(os.cpu_count(), "os.cpu_count (logical)"),
                 "clock_mhz": _measured(round(freq.max or freq.current) if freq and (freq.max or freq.current) else None, "psutil.cpu_freq")},
         "memory": {"ram_bytes": _measured(vm.total, "psutil.virtual_memory().total"),
-                   "training_budget_bytes": _measured(budget, "psutil.virtual_memory().available at measurement time"),
+                   "training_budget_bytes": _measured(budget, "psutil.virtual_memory().available at measurement time"
+                                                      + (" + this profiler's RSS - the client runtime's footprint" if runtime else "")),
+                   "runtime_bytes": _measured(runtime, "resident memory of a process importing what `edgefl client` imports, "
+                                                       "after a first training step of a tiny model (VmRSS)"),
                    "step_overhead_bytes": _measured(round(fit.memory_overhead_bytes) if fit else None, memory_source),
                    "activation_factor": _measured(round(fit.activation_factor, 3) if fit else None, memory_source),
                    "largest_tensor_factor": _measured(round(fit.largest_tensor_factor, 3) if fit else None, memory_source),

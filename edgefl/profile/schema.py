@@ -73,6 +73,8 @@ class CPU(_Strict):
 class Memory(_Strict):
     ram_bytes: Quantity = Field(default_factory=_unknown)
     training_budget_bytes: Quantity = Field(default_factory=_unknown, description="RAM left for training after OS and runtime")
+    runtime_bytes: Quantity = Field(default_factory=_unknown, description=(
+        "resident memory of an edgefl client before it builds a model (Python, PyTorch, edgefl, MQTT)"))
     step_overhead_bytes: Quantity = Field(default_factory=_unknown, description="training memory beyond weights, optimizer and activations")
     activation_factor: Quantity = Field(default_factory=_unknown, description="bytes autograd and kernels hold per byte of new forward tensors")
     largest_tensor_factor: Quantity = Field(default_factory=_unknown, description=(

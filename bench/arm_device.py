@@ -1,0 +1,317 @@
+"""A device as it really is: edgefl on 64-bit ARM with a Pi's memory, beside the same device on x86.
+
+Run by ``./dev.sh arm-device`` (root), which first builds the emulated device: a Debian bookworm
+arm64 root file system (``debootstrap``), run through ``qemu-user-static``'s binfmt handler, with
+edgefl installed in it as on a Raspberry Pi: a venv, the aarch64 torch/torchvision wheels from PyPI,
+edgefl's core package from a wheel of this checkout. Then, side by side in one run:
+
+1. ``edgefl device-profile --quick`` inside the ARM device: the architecture it reports.
+2. The same fleet run twice with the same seed (FedAvg, Fashion-MNIST, two devices, server and
+   mosquitto on the host over loopback): once with ``client-1`` on the ARM device, under a memory
+   cap of its device class's RAM (``--profile``, default pi-zero-2w: 512 MiB, a cgroup's memory
+   limit, swap included where the kernel accounts it), once with both devices on x86. The rounds'
+   numbers must agree within float tolerance.
+3. Footprints: the peak resident memory (VmHWM) of one ``edgefl client`` process training each
+   model that ``edgefl assign`` can pick, for one short round, on x86 (``--x86-models``) and on the
+   ARM device (``--arm-models``); and the runtime alone (the process after its imports, before a
+   model exists): what ``edgefl assign`` subtracts from a device's RAM.
+
+Under emulation the ARM process's memory includes qemu's own (its translated-code cache and
+mappings), so ARM footprints are upper bounds for a real Pi; the x86 numbers are native.
+Results go to bench/results/arm_device.json; docs/devices.md records them with this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from common import save
+
+from edgefl.fleet.broker import start_mosquitto
+from edgefl.profile.schema import load_profile
+
+HOST_EDGEFL = [sys.executable, "-m", "edgefl"]
+DEVICE_VENV = "/opt/edgefl"
+LADDER = ["cnn-small", "lenet5", "cvae-small", "fedhe-cnn-0", "fedhe-cnn-3", "fedhe-cnn-5", "fedhe-cnn-9", "resnet10:width=0.25",
+          "resnet18:width=0.25", "vgg9:width=0.25", "resnet18", "resnet34", "resnet50"]
+
+
+# --- the emulated device ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def mounted(root: Path) -> Iterator[None]:
+    """/proc, /sys and /dev inside the root file system, as a booted device has them."""
+    done = []
+    try:
+        for what, args in (("proc", ["-t", "proc", "proc"]), ("sys", ["--rbind", "/sys"]), ("dev", ["--rbind", "/dev"])):
+            target = root / what
+            if not os.path.ismount(target):
+                subprocess.run(["mount", *args, str(target)], check=True)
+                done.append(target)
+        yield
+    finally:
+        for target in reversed(done):
+            subprocess.run(["umount", "-R", "-l", str(target)], check=False)
+
+
+def arm_command(root: Path, *args: str) -> list[str]:
+    return ["chroot", str(root), "/usr/bin/env", "-i", "HOME=/root", "PATH=/opt/edgefl/bin:/usr/bin:/bin", "LANG=C.UTF-8",
+            f"{DEVICE_VENV}/bin/edgefl", *args]
+
+
+class MemoryCap:
+    """A memory cgroup with a hard limit (cgroup v2 ``memory.max``, else v1 ``limit_in_bytes``)."""
+
+    def __init__(self, limit_bytes: int, name: str) -> None:
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        if v2.exists():
+            self.path, self.version = Path("/sys/fs/cgroup") / name, 2
+            self.path.mkdir(exist_ok=True)
+            (self.path / "memory.max").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):
+                (self.path / "memory.swap.max").write_text("0")
+        else:
+            self.path, self.version = Path("/sys/fs/cgroup/memory") / name, 1
+            self.path.mkdir(exist_ok=True)
+            (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):  # only where swap is accounted
+                (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+        self.limit = limit_bytes
+
+    def enter(self) -> None:
+        """For preexec_fn: the child joins the group before it execs."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int | None:
+        f = self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
+        return int(f.read_text()) if f.exists() else None
+
+    def oom_kills(self) -> int:
+        f = self.path / ("memory.events" if self.version == 2 else "memory.oom_control")
+        if not f.exists():
+            return 0
+        for line in f.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+class PeakRss:
+    """Watches a process's VmHWM (the kernel's own peak resident set) until it exits."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self.after_imports = pid, 0, None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        status = Path(f"/proc/{self.pid}/status")
+        while True:
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+            except (OSError, ValueError):
+                return
+            time.sleep(0.05)
+
+    def join(self) -> int:
+        self._thread.join(timeout=5)
+        return self.peak
+
+
+# --- fleet runs --------------------------------------------------------------------------------------
+def fleet_config(model: str, devices: int, rounds: int, seed: int, steps: int) -> dict[str, Any]:
+    name, _, opts = model.partition(":")
+    options = {k: float(v) for k, v in (kv.split("=") for kv in opts.split(","))} if opts else {}
+    return {
+        "name": f"arm-{name}", "seed": seed, "rounds": rounds, "threads": 1,
+        "method": {"name": "fedavg"},
+        "data": {"dataset": "fashion-mnist", "partition": "iid", "test_samples": 500},
+        "train": {"epochs": 1, "batch_size": 32, "max_steps": steps},
+        "eval": {"every": 1},
+        "network": {"round_deadline_s": 3600.0, "keepalive_s": 300, "quorum": 1.0},
+        "fleet": {"groups": [{"model": name, "count": devices, **({"options": options} if options else {})}]},
+    }
+
+
+def run_fleet(cfg: dict[str, Any], where: list[str], root: Path | None, cap_bytes: int | None, work: Path) -> dict[str, Any]:
+    """Server and broker on the host; device i on ``where[i]`` ("x86" or "arm")."""
+    work.mkdir(parents=True, exist_ok=True)
+    host_cfg = work / "run.toml"
+    host_cfg.write_text(tomli_w.dumps(cfg))
+    dev_cfg = str(host_cfg)
+    if root is not None and "arm" in where:
+        inside = root / "tmp" / "edgefl-bench" / work.name
+        inside.mkdir(parents=True, exist_ok=True)
+        shutil.copy(host_cfg, inside / "run.toml")
+        dev_cfg_arm = f"/tmp/edgefl-bench/{work.name}/run.toml"
+    broker = start_mosquitto(work / "broker")
+    procs, watchers, caps = [], [], []
+    t0 = time.perf_counter()
+    try:
+        server = subprocess.Popen([*HOST_EDGEFL, "server", "--config", str(host_cfg), "--broker", broker.url, "--out", str(work / "run")],
+                                  stdout=open(work / "server.log", "w"), stderr=subprocess.STDOUT)
+        for i, kind in enumerate(where):
+            args = ["client", "--broker", broker.url, "--device-id", f"client-{i}", "--no-state"]
+            log = open(work / f"client-{i}-{kind}.log", "w")
+            if kind == "arm":
+                cap = MemoryCap(cap_bytes, f"edgefl-arm-{os.getpid()}-{i}") if cap_bytes else None
+                caps.append(cap)
+                p = subprocess.Popen(arm_command(root, *args, "--config", dev_cfg_arm), stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=cap.enter if cap else None)
+            else:
+                p = subprocess.Popen([*HOST_EDGEFL, *args, "--config", dev_cfg], stdout=log, stderr=subprocess.STDOUT)
+            procs.append(p)
+            watchers.append(PeakRss(p.pid))
+        codes = [p.wait(timeout=7200) for p in procs]
+        server_code = server.wait(timeout=600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        broker.stop()
+    metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()] if (work / "run" / "metrics.jsonl").exists() else []
+    out = {"where": where, "exit_codes": codes, "server_exit": server_code, "seconds": time.perf_counter() - t0,
+           "peak_rss_bytes": [w.join() for w in watchers], "metrics": metrics}
+    arm_caps = [c for c in caps if c is not None]
+    if arm_caps:
+        out["cap_bytes"] = cap_bytes
+        out["cgroup_peak_bytes"] = [c.peak() for c in arm_caps]
+        out["oom_kills"] = [c.oom_kills() for c in arm_caps]
+        for c in arm_caps:
+            c.remove()
+    return out
+
+
+def numbers(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every number in a metrics record, flattened (times left out: they differ by design)."""
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        key = f"{prefix}{k}"
+        if any(t in k for t in ("time", "_s", "seconds", "bytes", "wall", "started", "deadline")):
+            continue
+        if isinstance(v, dict):
+            out.update(numbers(v, key + "."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
+
+
+def compare(a: list[dict], b: list[dict], rtol: float, atol: float) -> dict[str, Any]:
+    worst, worst_key, n = 0.0, None, 0
+    for ra, rb in zip(a, b):
+        na, nb = numbers(ra), numbers(rb)
+        for k in sorted(set(na) & set(nb)):
+            diff = abs(na[k] - nb[k])
+            n += 1
+            if diff > atol + rtol * abs(nb[k]) and diff >= worst:
+                worst, worst_key = diff, k
+    return {"rounds": min(len(a), len(b)), "numbers_compared": n, "equal_within_tolerance": worst_key is None and n > 0,
+            "worst_difference": worst, "worst_key": worst_key, "rtol": rtol, "atol": atol}
+
+
+def footprint(model: str, kind: str, root: Path | None, work: Path, cap: int | None) -> dict[str, Any]:
+    res = run_fleet(fleet_config(model, 1, 1, 0, steps=5), [kind], root, cap, work)
+    ok = res["exit_codes"] == [0] and res["server_exit"] == 0
+    return {"model": model, "where": kind, "ok": ok, "peak_rss_bytes": res["peak_rss_bytes"][0],
+            "cgroup_peak_bytes": (res.get("cgroup_peak_bytes") or [None])[0], "seconds": res["seconds"]}
+
+
+def runtime_only(kind: str, root: Path | None) -> int:
+    """Peak RSS of a process that imports what `edgefl client` imports and builds nothing."""
+    code = "import edgefl.cli, edgefl.device, edgefl.fleet.launcher, edgefl.transport.mqtt, torch, torchvision"
+    cmd = ([*HOST_EDGEFL[:1], "-c", code] if kind == "x86" else
+           ["chroot", str(root), "/usr/bin/env", "-i", "HOME=/root", f"{DEVICE_VENV}/bin/python", "-c", code])
+    p = subprocess.Popen(cmd)
+    w = PeakRss(p.pid)
+    p.wait(timeout=1800)
+    return w.join()
+
+
+def mib(v: int | None) -> str:
+    return "-" if v is None else f"{v / 2**20:.0f} MiB"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, required=True, help="the arm64 root file system (./dev.sh arm-device builds it)")
+    ap.add_argument("--profile", default="pi-zero-2w", help="device class whose RAM caps the ARM device")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10, help="training steps per device per round")
+    ap.add_argument("--arm-models", default="cnn-small,lenet5,fedhe-cnn-3", help="footprints on the ARM device (slow: emulated)")
+    ap.add_argument("--x86-models", default=",".join(LADDER), help="footprints on x86")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: profile, fleet, footprints")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("the ARM device needs root (chroot, a memory cgroup)", file=sys.stderr)
+        return 2
+    skip = set(filter(None, args.skip.split(",")))
+    profile = load_profile(args.profile)
+    cap = int(profile.memory.ram_bytes.value)
+    result: dict[str, Any] = {"profile": args.profile, "cap_bytes": cap}
+    failures = []
+    with mounted(args.root), tempfile.TemporaryDirectory(prefix="edgefl-arm-") as tmp:
+        work = Path(tmp)
+        if "profile" not in skip:
+            t0 = time.perf_counter()
+            p = subprocess.run(arm_command(args.root, "device-profile", "--quick", "--out", "/tmp/arm-profile.toml"),
+                               capture_output=True, text=True, timeout=3600)
+            text = (args.root / "tmp" / "arm-profile.toml").read_text() if p.returncode == 0 else ""
+            arch = next((line.split("=", 1)[1].strip().strip('"') for line in text.splitlines() if line.startswith("arch")), None)
+            result["device_profile"] = {"exit": p.returncode, "arch": arch, "seconds": time.perf_counter() - t0,
+                                        "profile_toml": text, "stderr_tail": p.stderr[-2000:]}
+            print(f"device-profile --quick on the ARM device: exit {p.returncode}, arch {arch} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if p.returncode != 0 or arch != "aarch64":
+                failures.append("device-profile")
+        if "fleet" not in skip:
+            cfg = fleet_config("cnn-small", 2, args.rounds, 0, args.steps)
+            arm = run_fleet(cfg, ["x86", "arm"], args.root, cap, work / "fleet-arm")
+            x86 = run_fleet(cfg, ["x86", "x86"], None, None, work / "fleet-x86")
+            same = compare(arm["metrics"], x86["metrics"], rtol=1e-4, atol=1e-5)
+            result["fleet"] = {"arm": arm, "x86": x86, "comparison": same}
+            counted = arm["exit_codes"] == [0, 0] and arm["server_exit"] == 0 and len(arm["metrics"]) == args.rounds
+            print(f"fleet with client-1 on ARM under {mib(cap)}: exits {arm['exit_codes']} server {arm['server_exit']}, "
+                  f"{len(arm['metrics'])} rounds, ARM peak RSS {mib(arm['peak_rss_bytes'][1])} (cgroup peak {mib(arm['cgroup_peak_bytes'][0])}, "
+                  f"OOM kills {arm['oom_kills'][0]}), {arm['seconds']:.0f} s; same numbers as all-x86: {same['equal_within_tolerance']} "
+                  f"({same['numbers_compared']} numbers, worst {same['worst_difference']:.2g} at {same['worst_key']})", flush=True)
+            if not counted or not same["equal_within_tolerance"]:
+                failures.append("fleet")
+        if "footprints" not in skip:
+            rows = [{"model": "(runtime only)", "where": "x86", "ok": True, "peak_rss_bytes": runtime_only("x86", None)},
+                    {"model": "(runtime only)", "where": "arm", "ok": True, "peak_rss_bytes": runtime_only("arm", args.root)}]
+            for kind, models in (("x86", args.x86_models), ("arm", args.arm_models)):
+                for model in filter(None, models.split(",")):
+                    rows.append(footprint(model, kind, args.root if kind == "arm" else None, work / f"fp-{kind}-{model}",
+                                          cap if kind == "arm" else None))
+            result["footprints"] = rows
+            print(f"{'model':22} {'where':5} {'peak RSS':>9} {'cgroup':>9} {'ok':>4}")
+            for r in rows:
+                print(f"{r['model']:22} {r['where']:5} {mib(r['peak_rss_bytes']):>9} {mib(r.get('cgroup_peak_bytes')):>9} {str(r['ok']):>4}")
+                if not r["ok"]:
+                    failures.append(f"footprint {r['model']} on {r['where']}")
+    result["failures"] = failures
+    path = save("arm_device", result)
+    print(f"results in {path}" + (f"; FAILED: {', '.join(failures)}" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
