@@ -82,7 +82,10 @@ arm_device_root() {
     rm -rf "$ROOT/build/arm-wheel" && "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$ROOT/build/arm-wheel" . >&2
     local wheel stamp want
     wheel=$(ls "$ROOT"/build/arm-wheel/edgefl-*.whl)
-    want=$(sha256sum "$wheel" | cut -c1-16)
+    # the wheel's RECORD (every file's hash), not the wheel itself, whose zip timestamps change on each build
+    want=$("$VENV/bin/python" -c 'import hashlib, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+print(hashlib.sha256(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/RECORD")))).hexdigest()[:16])' "$wheel")
     stamp="$ARM_ROOT/opt/edgefl/.edgefl-stamp"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         echo "installing edgefl in the ARM device (venv /opt/edgefl, torch ${EDGEFL_ARM_TORCH:-2.9.1} for aarch64)" >&2

@@ -63,7 +63,8 @@ class DeviceSlot:
 def pooled(ds: Dataset) -> Dataset:
     """Train and test in one pool, for configs where each device holds out its own test split."""
     return Dataset(ds.name, torch.cat([ds.x_train, ds.x_test]), torch.cat([ds.y_train, ds.y_test]),
-                   ds.x_test[:0], ds.y_test[:0], ds.class_names, ds.source + " (train+test pooled)", ds.files)
+                   ds.x_test[:0], ds.y_test[:0], ds.class_names, ds.source + " (train+test pooled)", ds.files,
+                   ds.standardisation, ds.pixel_divisor)
 
 
 def partition(cfg: RunConfig, ds: Dataset) -> list[np.ndarray]:
@@ -184,7 +185,7 @@ def build_client(cfg: RunConfig, ds: Dataset, slot: DeviceSlot) -> ClientHalf:
 
     def take(indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.from_numpy(indices)
-        x = ds.x_train[idx]
+        x = ds.model_input(ds.x_train[idx])
         return (slot.view.apply(x) if slot.view else x), ds.y_train[idx]
 
     x, y = take(slot.sample_indices)
@@ -200,9 +201,9 @@ def test_subset(cfg: RunConfig, ds: Dataset) -> tuple[torch.Tensor, torch.Tensor
     """The shared evaluation set: the whole test split, or a fixed subset (the same for every run seed)."""
     n = cfg.data.test_samples
     if n is None or n >= len(ds.y_test):
-        return ds.x_test, ds.y_test
+        return ds.model_input(ds.x_test), ds.y_test
     idx = torch.from_numpy(np.sort(np.random.default_rng(0).choice(len(ds.y_test), n, replace=False)))
-    return ds.x_test[idx], ds.y_test[idx]
+    return ds.model_input(ds.x_test[idx]), ds.y_test[idx]
 
 
 @dataclass
@@ -240,15 +241,17 @@ def federation_name(cfg: RunConfig) -> str:
     return safe or "run"
 
 
-def load_run_dataset(cfg: RunConfig) -> Dataset:
-    ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download, cfg.data.idx_name, cfg.data.classes)
+def load_run_dataset(cfg: RunConfig, raw_pixels: bool = False) -> Dataset:
+    ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download, cfg.data.idx_name, cfg.data.classes,
+                      raw_pixels=raw_pixels)
     return pooled(ds) if cfg.data.client_test_fraction else ds
 
 
-def build_run(cfg: RunConfig, dataset: Dataset | None = None, check: bool = True) -> RunParts:
-    """Data, devices and test set of ``cfg`` (``dataset``: an already loaded copy of the raw data)."""
+def build_run(cfg: RunConfig, dataset: Dataset | None = None, check: bool = True, raw_pixels: bool = False) -> RunParts:
+    """Data, devices and test set of ``cfg`` (``dataset``: an already loaded copy of the raw data;
+    ``raw_pixels``: keep images as 8-bit pixels, converting only what a device takes)."""
     if dataset is None:
-        ds = load_run_dataset(cfg)
+        ds = load_run_dataset(cfg, raw_pixels)
     else:
         ds = pooled(dataset) if cfg.data.client_test_fraction else dataset
     slots = device_slots(cfg, ds)

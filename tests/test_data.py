@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import torch
+
 from edgefl.data import class_counts, dirichlet, download_idx, iid, load_dataset, read_idx, shards, subsample, write_idx
 from edgefl.data.datasets import FILES, locate_idx_folder
-from edgefl.errors import ConfigError, DataError
+from edgefl.errors import ConfigError, DataError, EdgeflError
 
 
 def make_idx_folder(folder: Path, n_train: int = 60, n_test: int = 20, compress: bool = True) -> Path:
@@ -231,3 +233,14 @@ def test_shards_give_k_classes():
 def test_subsample_caps_each_client():
     parts = subsample(iid(LABELS, 4, seed=0), 50, seed=0)
     assert [len(p) for p in parts] == [50] * 4
+
+
+def test_a_device_can_keep_images_as_8_bit_pixels_with_identical_inputs():
+    try:
+        flt = load_dataset("fashion-mnist", download=False)
+        raw = load_dataset("fashion-mnist", download=False, raw_pixels=True)
+    except EdgeflError as exc:
+        pytest.skip(f"Fashion-MNIST not installed: {exc}")
+    assert raw.x_train.dtype == torch.uint8 and raw.x_train.element_size() * 4 == flt.x_train.element_size()
+    idx = torch.arange(0, 60000, 997)
+    assert torch.equal(raw.model_input(raw.x_train[idx]), flt.x_train[idx])  # bit for bit: same training numbers

@@ -111,6 +111,13 @@ class Dataset:
     files: tuple[str, ...] = ()  # the exact files read (IDX data sets)
     #: per-feature (mean, std) the raw features were standardised with, for tabular sets
     standardisation: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    #: set when x_train/x_test hold the raw 8-bit pixels (a device's lean load): input = pixels / this
+    pixel_divisor: float | None = None
+
+    def model_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Samples as models take them (float32 in [0, 1]), from either form of storage (the same
+        division as the float load, so both give bit-identical inputs)."""
+        return x.float().div_(self.pixel_divisor) if self.pixel_divisor is not None else x
 
     @property
     def num_classes(self) -> int:
@@ -213,7 +220,7 @@ def _missing_hint(name: str, data_dir: str | Path | None) -> str:
 
 
 def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bool = True,
-                     class_names: tuple[str, ...] | None = None) -> Dataset:
+                     class_names: tuple[str, ...] | None = None, raw_pixels: bool = False) -> Dataset:
     """Four IDX files of ``name`` (a known data set, or one's own with ``class_names``), checked
     against what the data set is known to hold."""
     folder = locate_idx_folder(name, data_dir)
@@ -243,6 +250,8 @@ def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bo
         _check_identity(name, folder, arrays)
 
     def images(a: np.ndarray) -> torch.Tensor:
+        if raw_pixels:  # a quarter of the memory: a device converts only the samples it holds
+            return torch.from_numpy(a).unsqueeze(1)
         return torch.from_numpy(a).float().div_(255.0).unsqueeze(1)
 
     def labels(a: np.ndarray) -> torch.Tensor:
@@ -257,6 +266,7 @@ def load_idx_dataset(name: str, data_dir: str | Path | None = None, download: bo
         class_names=tuple(classes),
         source=str(folder),
         files=tuple(str(paths[key]) for key in FILES),
+        pixel_divisor=255.0 if raw_pixels else None,
     )
 
 
@@ -334,19 +344,20 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, download: bool = True,
-                 idx_name: str | None = None, classes: int | list[str] | None = None) -> Dataset:
+                 idx_name: str | None = None, classes: int | list[str] | None = None, raw_pixels: bool = False) -> Dataset:
     """Load a dataset by name: ``fashion-mnist``, ``mnist``, ``digits``, ``breast-cancer``, or
     ``idx``: one's own four IDX files in ``data_dir`` (``idx_name`` names it in reports,
-    ``classes`` is the number of classes or their names)."""
+    ``classes`` is the number of classes or their names). ``raw_pixels`` keeps IDX images as
+    uint8 (see :meth:`Dataset.model_input`): what a small device loads."""
     if name == GENERIC_IDX:
         if not data_dir or classes is None:
             raise DataError("dataset = \"idx\" reads your own IDX files: it needs data_dir (the folder) and classes",
                             hint="e.g. [data] dataset = \"idx\", data_dir = \"/data/letters\", classes = 26, idx_name = \"letters\"")
         names = tuple(str(c) for c in range(classes)) if isinstance(classes, int) else tuple(classes)
-        ds = load_idx_dataset(idx_name or GENERIC_IDX, data_dir, False, names)
+        ds = load_idx_dataset(idx_name or GENERIC_IDX, data_dir, False, names, raw_pixels=raw_pixels)
         return ds
     if name in IDX_SOURCES:
-        return load_idx_dataset(name, data_dir, download)
+        return load_idx_dataset(name, data_dir, download, raw_pixels=raw_pixels)
     if name in SKLEARN_SETS:
         return load_sklearn_dataset(name)
     raise DataError(f"unknown dataset {name!r}", hint=f"choose one of {', '.join(DATASET_NAMES)}")

@@ -66,15 +66,19 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
         import torch
 
         torch.set_num_threads(cfg.threads)
-    parts = build_run(cfg, check=False)  # the server checks that every model takes its input
+    # the server checks that every model takes its input; the images stay 8-bit until this
+    # device's own samples are taken (a quarter of the memory: what lets a 512 MiB Pi train)
+    parts = build_run(cfg, check=False, raw_pixels=True)
     client = parts.client(device_id)  # a ConfigError naming the fleet's ids for a stranger
+    x_test, y_test = parts.x_test, parts.y_test
+    del parts  # the whole data set: the device keeps its own samples and the test subset
     topics = Topics(federation(cfg))
     transport = MqttDeviceTransport.connect(broker, topics, device_id, max_packet_bytes=_packet_limit(cfg),
                                             keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
                                             username=username, password=password, ca_file=ca_file)
     try:
         store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
-        loop = DeviceLoop(client, transport, topics.federation, cfg.network, parts.x_test, parts.y_test, cfg.eval.batch_size, store)
+        loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store)
         saved = loop.restore()
         if saved is not None:
             log.warning("%s: found the state it saved after round %d in %s (used if the server runs the same run)",
