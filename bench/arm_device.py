@@ -48,7 +48,7 @@ from edgefl.profile.schema import load_profile
 
 HOST_EDGEFL = [sys.executable, "-m", "edgefl"]
 DEVICE_VENV = "/opt/edgefl"
-LADDER = ["cnn-small", "lenet5", "cvae-small", "fedhe-cnn-0", "fedhe-cnn-3", "fedhe-cnn-5", "fedhe-cnn-9", "resnet10:width=0.25",
+LADDER = ["cnn-small", "lenet5", "fedhe-cnn-0", "fedhe-cnn-3", "fedhe-cnn-5", "fedhe-cnn-9", "resnet10:width=0.25",
           "resnet18:width=0.25", "vgg9:width=0.25", "resnet18", "resnet34", "resnet50"]
 
 
@@ -169,13 +169,14 @@ class PeakRss:
 
 
 # --- fleet runs --------------------------------------------------------------------------------------
-def fleet_config(model: str, devices: int, rounds: int, seed: int, steps: int) -> dict[str, Any]:
+def fleet_config(model: str, devices: int, rounds: int, seed: int, steps: int, samples: int | None = None) -> dict[str, Any]:
     name, _, opts = model.partition(":")
     options = {k: float(v) for k, v in (kv.split("=") for kv in opts.split(","))} if opts else {}
     return {
         "name": f"arm-{name}", "seed": seed, "rounds": rounds, "threads": 1,
         "method": {"name": "fedavg"},
-        "data": {"dataset": "fashion-mnist", "partition": "iid", "test_samples": 500},
+        "data": {"dataset": "fashion-mnist", "partition": "iid", "test_samples": 500,
+                 **({"samples_per_client": samples} if samples else {})},
         "train": {"epochs": 1, "batch_size": 32, "max_steps": steps},
         "eval": {"every": 1},
         "network": {"round_deadline_s": 3600.0, "keepalive_s": 300, "quorum": 1.0},
@@ -261,8 +262,10 @@ def compare(a: list[dict], b: list[dict], rtol: float, atol: float) -> dict[str,
             "worst_difference": worst, "worst_key": worst_key, "rtol": rtol, "atol": atol}
 
 
-def footprint(model: str, kind: str, root: Path | None, work: Path, cap: int | None) -> dict[str, Any]:
-    res = run_fleet(fleet_config(model, 1, 1, 0, steps=5), [kind], root, cap, work)
+def footprint(model: str, kind: str, root: Path | None, work: Path, samples: int) -> dict[str, Any]:
+    """One device, one short round, its own ``samples`` (what `edgefl assign` budgets a round for);
+    no cap: this measures, the fleet run enforces."""
+    res = run_fleet(fleet_config(model, 1, 1, 0, steps=5, samples=samples), [kind], root, None, work)
     ok = res["exit_codes"] == [0] and res["server_exit"] == 0
     return {"model": model, "where": kind, "ok": ok, "peak_rss_bytes": res["peak_rss_bytes"][0],
             "guest_peak_bytes": res["guest_peak_bytes"][0], "emulator_peak_bytes": res["emulator_peak_bytes"][0],
@@ -301,6 +304,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="training steps per device per round")
     ap.add_argument("--arm-models", default="cnn-small,lenet5,fedhe-cnn-3", help="footprints on the ARM device (slow: emulated)")
     ap.add_argument("--x86-models", default=",".join(LADDER), help="footprints on x86")
+    ap.add_argument("--samples", type=int, default=600, help="a footprint device's own training samples (assign's default round)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: profile, fleet, footprints")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -359,7 +363,7 @@ def main() -> int:
             for kind, models in (("x86", args.x86_models), ("arm", args.arm_models)):
                 for model in filter(None, models.split(",")):
                     rows.append(footprint(model, kind, args.root if kind == "arm" else None, work / f"fp-{kind}-{model}",
-                                          cap if kind == "arm" else None))
+                                          args.samples))
             result["footprints"] = rows
             print(f"{'model':22} {'where':5} {'peak RSS':>9} {'program':>9} {'emulator':>9} {'ok':>4}")
             for r in rows:

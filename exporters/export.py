@@ -42,6 +42,7 @@ from edgefl.exporters.onnx_export import (
     check_model_file,
     embed_onnx_metadata,
     export_onnx,
+    first_compute_node,
     mobile_usability,
     quantize_int8,
 )
@@ -299,14 +300,27 @@ class _Job:
             path = self.folder / f"{src.name}.int8.onnx"
             self.log(f"onnx: {path.name} (int8, calibrating on {sum(len(c[0]) for c in self.inputs.calibration)} real samples)")
             fixed_calib = [tuple(t.numpy() for t in c) for c in _fixed_batches(self.inputs.calibration, self.batch)]
-            quantize_int8(self.folder / f"{src.name}.onnx", path, iter(fixed_calib), names)
-            f = ExportedFile(path, "onnx", "int8", self.batch, extra={"layout": _layout(self.sample, False), "opset": _opset(path),
-                                                                      "quantization": "QDQ static, per-channel weights"})
-            self._describe_onnx(f)
-            check_model_file(path)
-            runner = OnnxRunner(path, threads=1)
-            f.extra["io"] = runner.io()
-            self.judge(f, runner)
+            float_file = self.folder / f"{src.name}.onnx"
+            # all nodes int8 first; below the bar, once more with the first layer (which sees the
+            # raw input) kept float, as is usual for int8 deployments; the sidecar names it
+            first = first_compute_node(float_file)
+            attempts = [[]] + ([[first]] if first else [])
+            for attempt, exclude in enumerate(attempts):
+                quantize_int8(float_file, path, iter(fixed_calib), names, exclude=exclude)
+                f = ExportedFile(path, "onnx", "int8", self.batch, extra={
+                    "layout": _layout(self.sample, False), "opset": _opset(path), "float_nodes": exclude,
+                    "quantization": "QDQ static, per-channel weights" + (f"; {exclude[0]} kept float" if exclude else "")})
+                self._describe_onnx(f)
+                check_model_file(path)
+                runner = OnnxRunner(path, threads=1)
+                f.extra["io"] = runner.io()
+                try:
+                    self.judge(f, runner)
+                    break
+                except ExportError:
+                    if attempt == len(attempts) - 1:
+                        raise
+                    self.log(f"onnx: {path.name} below the int8 bar; again with {first} kept float")
             if mobile_check:
                 f.extra["mobile_usability"] = mobile_usability(path)
             self.written.append(f)

@@ -92,8 +92,18 @@ class OnnxRunner:
         return self.session.run(None, dict(zip(self.inputs, arrays)))[0]
 
 
-def quantize_int8(float_path: Path, out_path: Path, calibration: Iterator[tuple[np.ndarray, ...]], input_names: list[str]) -> Path:
-    """Static QDQ int8 (per-channel weights, per-tensor activations) calibrated on ``calibration``."""
+def first_compute_node(path: Path) -> str | None:
+    """The name of the model's first Conv/Gemm/MatMul (the one int8 hurts most: it sees the raw input)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return next((n.name for n in graph.node if n.op_type in ("Conv", "Gemm", "MatMul")), None)
+
+
+def quantize_int8(float_path: Path, out_path: Path, calibration: Iterator[tuple[np.ndarray, ...]], input_names: list[str],
+                  exclude: list[str] | None = None) -> Path:
+    """Static QDQ int8 (per-channel weights, per-tensor activations) calibrated on ``calibration``;
+    the nodes in ``exclude`` stay float."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -112,7 +122,7 @@ def quantize_int8(float_path: Path, out_path: Path, calibration: Iterator[tuple[
             logging.getLogger().setLevel(logging.ERROR)
             quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=True)
             quantize_static(str(prepared), str(out_path), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, nodes_to_exclude=exclude or [])
     return out_path
 
 
