@@ -66,10 +66,11 @@ def main() -> None:
         src.dataset = "fashion-mnist"
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            b1 = {f.path.name: f for f in export_model(src, Path(tmp) / "b1", int8=True, dataset=ds, test_samples=256,
+            # NCHW TFLite files: every runtime takes the same NCHW batch here (an app's NHWC default is the exporter's)
+            b1 = {f.path.name: f for f in export_model(src, Path(tmp) / "b1", int8=True, dataset=ds, test_samples=256, channels_last=False,
                                                           mobile_check=False, int8_min_relative_accuracy=0.0)}
             b32 = {f.path.name: f for f in export_model(src, Path(tmp) / "b32", formats=("tflite",), int8=True, batch=32, dataset=ds,
-                                                           test_samples=256, int8_min_relative_accuracy=0.0)}
+                                                           test_samples=256, channels_last=False, int8_min_relative_accuracy=0.0)}
             export_s = time.perf_counter() - t0
             row = {"model": name, "options": opts, "params": sum(p.numel() for p in model.parameters()), "export_s": round(export_s, 1),
                    "size_float_tflite": b1[f"{name}.tflite"].path.stat().st_size,

@@ -335,7 +335,7 @@ class _Job:
             "edgefl.method": src.method or "", "edgefl.seed": "" if src.seed is None else str(src.seed),
             "edgefl.round": "" if src.round is None else str(src.round), "edgefl.weights_sha256": src.weights_sha256 or "",
         }
-        embed_onnx_metadata(f.path, props, version=_model_version(src), doc=self._doc(f))
+        embed_onnx_metadata(f.path, {k: v for k, v in props.items() if v}, version=_model_version(src), doc=self._doc(f))
 
     def _doc(self, f: ExportedFile) -> str:
         src = self.src
@@ -532,6 +532,7 @@ def _runtime_entry(e: dict[str, Any], f: ExportedFile, image: bool) -> dict[str,
                            "dtype": e["dtype"]}
     if "tensor" in e:
         out["tensor"] = e["tensor"]  # the interpreter's tensor name (get_input_details); apps call the signature by "name"
+        out["index"] = e["index"]  # the tensor's index in subgraph 0, for index-based APIs (iOS Interpreter.copy(_:toInputAt:))
     if image:
         out["layout"] = f.extra.get("layout")
     elif len(e["shape"]) == 2:
@@ -541,7 +542,7 @@ def _runtime_entry(e: dict[str, Any], f: ExportedFile, image: bool) -> dict[str,
     if e["dtype"] in ("int8", "uint8") and e.get("scale"):
         lo, hi = (-128, 127) if e["dtype"] == "int8" else (0, 255)
         out["scale"], out["zero_point"] = e["scale"], e["zero_point"]
-        out["quantize"] = f"{e['dtype']} = clip(round(x / scale) + zero_point, {lo}, {hi})"
+        out["quantize"] = f"{e['dtype']} = clip(round_half_away_from_zero(x / scale) + zero_point, {lo}, {hi})"
         out["dequantize"] = f"x = ({e['dtype']} - zero_point) * scale"
     return out
 

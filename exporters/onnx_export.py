@@ -150,7 +150,8 @@ def mobile_usability(path: Path) -> dict[str, Any]:
             record[ep] = {"nodes": info.num_nodes, "supported_nodes": info.num_supported_nodes,
                           "partitions": info.num_partitions, "verdict": info.suitability().name,
                           "unsupported_ops": sorted(info.unsupported_ops)}
-    record["usable"] = any(record[ep]["verdict"] != "NO" for ep in checks)
+    record["usable_with"] = [ep for ep in checks if record[ep]["verdict"] != "NO"]
+    record["usable"] = bool(record["usable_with"])  # with at least one of them: see usable_with
     return record
 
 

@@ -150,6 +150,11 @@ def resizable(path: Path, sample: tuple[np.ndarray, ...], input_order: list[str]
         return False
 
 
+def quantise_round(v: np.ndarray) -> np.ndarray:
+    """Round half away from zero, as TFLite's own QUANTIZE kernel does (numpy rounds half to even)."""
+    return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+
 class TFLiteRunner:
     """The LiteRT interpreter over one file, called through the file's signature by input name
     (as an app does): quantises int8 inputs and dequantises int8 outputs with the scales in the
@@ -178,7 +183,7 @@ class TFLiteRunner:
         """What the runtime sees: signature names, tensor names, shapes, dtypes, quantisation."""
         def entry(name: str, d: dict) -> dict:
             scale, zero = d["quantization"]
-            return {"name": name, "tensor": d["name"], "shape": [int(v) for v in d["shape"]],
+            return {"name": name, "tensor": d["name"], "index": int(d["index"]), "shape": [int(v) for v in d["shape"]],
                     "dtype": np.dtype(d["dtype"]).name, "scale": float(scale), "zero_point": int(zero)}
 
         return {"inputs": [entry(n, self.inputs[n]) for n in self.input_names],
@@ -190,7 +195,7 @@ class TFLiteRunner:
             d = self.inputs[name]
             if np.dtype(d["dtype"]) == np.int8:
                 scale, zero = d["quantization"]
-                a = np.clip(np.round(a / scale) + zero, -128, 127).astype(np.int8)
+                a = np.clip(quantise_round(a / scale) + zero, -128, 127).astype(np.int8)
             out.append(np.ascontiguousarray(a, dtype=d["dtype"]))
         return out
 

@@ -32,7 +32,9 @@ def prepare(meta: dict, raw: np.ndarray) -> np.ndarray:
         x = np.transpose(x, (0, 3, 1, 2))
     if spec["dtype"] in ("int8", "uint8"):
         lo, hi = (-128, 127) if spec["dtype"] == "int8" else (0, 255)
-        x = np.clip(np.round(x / spec["scale"]) + spec["zero_point"], lo, hi)
+        assert "round_half_away_from_zero" in spec["quantize"], spec["quantize"]  # the formula says how to round
+        v = x / spec["scale"]
+        x = np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5) + spec["zero_point"], lo, hi)
     return x.astype(spec["dtype"])
 
 

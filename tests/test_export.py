@@ -114,7 +114,7 @@ def test_fixed_shape_onnx_passes_the_mobile_usability_check_and_dynamic_does_not
     files = export_model(zoo_source("cnn-small", fmnist), tmp_path, formats=("onnx",), test_samples=64, dataset=fmnist)
     fixed = next(f for f in files if f.batch == 1)
     verdict = fixed.extra["mobile_usability"]
-    assert verdict["usable"] and verdict["dynamic_inputs"] == []
+    assert verdict["usable"] and "nnapi" in verdict["usable_with"] and verdict["dynamic_inputs"] == []
     assert verdict["nnapi"]["supported_nodes"] == verdict["nnapi"]["nodes"]
     assert "mobile_usability" not in next(f for f in files if f.batch is None).extra
     assert read_sidecar(fixed.path)["mobile_usability"]["nnapi"]["verdict"] in ("YES", "MAYBE")
@@ -251,7 +251,11 @@ def test_an_app_that_knows_only_the_sidecar_gets_pytorchs_answers(fmnist, tmp_pa
         assert same >= (1.0 if f.precision == "float32" else 0.97), (f.path.name, same)
     tfl = sidecar_app.load(tmp_path / "lenet5.tflite")
     assert tfl["signature_key"] == "serving_default" and tfl["inputs"][0]["name"] == "input" and tfl["outputs"][0]["name"] == "logits"
-    assert tfl["inputs"][0]["tensor"] == "serving_default_input"
+    assert tfl["inputs"][0]["tensor"] == "serving_default_input" and isinstance(tfl["inputs"][0]["index"], int)
+    import onnxruntime as ort
+
+    props = ort.InferenceSession(str(tmp_path / "lenet5.onnx")).get_modelmeta().custom_metadata_map
+    assert "edgefl.run" not in props and "edgefl.seed" not in props  # unknown facts are left out, not written empty
 
 
 def test_tflite_is_channels_last_by_default_and_onnx_stays_nchw(fmnist, tmp_path):
