@@ -374,7 +374,7 @@ class _Job:
             if precision == "int8":
                 calib = [tuple(to_layout(t) if i == 0 and self.classifier else t for i, t in enumerate(c))
                          for c in _fixed_batches(self.inputs.calibration, self.batch)]
-                module = quantisable(conv_module)
+                module = quantisable(conv_module, conv_sample)
             convert(module, conv_sample, path, kind=src.kind, calibration=calib)
             self._describe_tflite(path, precision, layout)
             order = io_names(src.kind)[0]

@@ -360,3 +360,18 @@ def test_a_reexport_replaces_the_whole_set(fmnist, tmp_path):
     assert (tmp_path / "cnn-small.int8.onnx.json").exists()
     export_model(src, tmp_path, formats=("onnx",), dynamic_batch=False, test_samples=32, mobile_check=False, dataset=fmnist)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn-small.onnx", "cnn-small.onnx.json"]
+
+
+def test_vgg_pool_before_its_fc_is_folded_exactly_for_int8():
+    """VGG-9's adaptive pool enlarges a 3x3 map to 7x7, which the converter left in float; for the
+    file's input size it folds into the FC that follows (bench/export_int8_zoo.py: integer-only)."""
+    from edgefl.exporters.residual import quantisable
+
+    torch.manual_seed(0)
+    model = build_model("vgg9", num_classes=10, input_shape=(1, 28, 28), width=0.125).eval()
+    x = torch.randn(8, 1, 28, 28)
+    folded = quantisable(model, (x[:1],))
+    with torch.no_grad():
+        assert torch.allclose(folded(x), model(x), atol=1e-5)
+    assert not any(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in folded.modules())
+    assert any(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in model.modules())  # the caller's model is untouched
