@@ -48,8 +48,8 @@ def model_set(folder: Path, name: str) -> list[Path]:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield  # signals reach only the main thread; Windows has no signal mask
         return
     held = {signal.SIGINT, signal.SIGTERM}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
