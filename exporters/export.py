@@ -425,7 +425,7 @@ class _Job:
                        inputs=inputs, outputs=outputs, labels=labels)
 
     def _micro(self, f: ExportedFile, runner: Any, to_layout: Callable[[torch.Tensor], torch.Tensor], listing: Any) -> None:
-        from edgefl.exporters.micro import measure_arena, micro_facts, micro_outputs, write_c_header
+        from edgefl.exporters.micro import measure_arena, micro_facts, micro_outputs, resolver_code, write_c_header
 
         self.log(f"tflite micro: {f.path.name}")
         samples = tuple(to_layout(t) for t in self.inputs.parity)
@@ -438,7 +438,7 @@ class _Job:
         if self.classifier and agreement < 0.99:
             raise ExportError(f"{f.path.name}: TFLite Micro agrees with LiteRT on only {agreement:.1%} of the parity inputs",
                               hint="report it: the two interpreters should compute the same int8 graph")
-        header = write_c_header(f.path, f.path.with_name(f"{self.src.name}.int8.h"), arena, _resolver(listing))
+        header = write_c_header(f.path, f.path.with_name(f"{self.src.name}.int8.h"), arena, resolver_code(listing))
         f.extra["micro"] = micro_facts(listing, arena, agreement, header)
 
     # --- sidecars ----------------------------------------------------------------------------------
@@ -451,12 +451,6 @@ class _Job:
             if f.precision == "int8":
                 fields["float_test_accuracy"] = next((g.accuracy for g in self.written if g.format == f.format and g.precision == "float32"), None)
             f.sidecar = write_sidecar(f.path, fields)
-
-
-def _resolver(listing: Any) -> str:
-    from edgefl.exporters.micro import resolver_code
-
-    return resolver_code(listing)
 
 
 def _labels(src: ModelSource, dataset: Dataset | None) -> list[str]:
@@ -528,8 +522,7 @@ _MEANING = {"input": None, "z": "latent draw, z ~ N(0, I)", "y_onehot": "one-hot
 
 def _runtime_entry(e: dict[str, Any], f: ExportedFile, image: bool) -> dict[str, Any]:
     """One input or output as the runtime reports it, with what an app must do with it."""
-    out: dict[str, Any] = {"name": e["name"], "shape": [f.batch or "batch", *e["shape"][1:]] if f.batch is None else e["shape"],
-                           "dtype": e["dtype"]}
+    out: dict[str, Any] = {"name": e["name"], "shape": e["shape"], "dtype": e["dtype"]}  # a dynamic batch is "batch" already
     if "tensor" in e:
         out["tensor"] = e["tensor"]  # the interpreter's tensor name (get_input_details); apps call the signature by "name"
         out["index"] = e["index"]  # the tensor's index in subgraph 0, for index-based APIs (iOS Interpreter.copy(_:toInputAt:))

@@ -81,16 +81,7 @@ def test_tabular_mlp_exports(cancer, tmp_path):
 
 
 def trained_lenet(ds) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = build_model("lenet5", num_classes=10, input_shape=(1, 28, 28))
-    opt = torch.optim.Adam(model.parameters(), 2e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(1000):
-        idx = torch.randint(0, len(ds.y_train), (64,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(ds.x_train[idx]), ds.y_train[idx]).backward()
-        opt.step()
-    return model.eval()
+    return trained("lenet5", ds, 1000)
 
 
 def test_int8_of_a_trained_model_keeps_98_percent_of_accuracy(fmnist, tmp_path):

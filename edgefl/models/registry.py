@@ -97,7 +97,7 @@ class ModelInfo:
 
 def count_flops(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     """Forward FLOPs measured with torch's FLOP counter (eval mode, no grad)."""
-    # imported here: the counter pulls in triton on CUDA builds (~90 MiB resident), which a device
+    # imported here: the counter pulls in triton on CUDA builds (~75 MiB resident), which a device
     # process that never counts FLOPs should not pay
     from torch.utils.flop_counter import FlopCounterMode
 
