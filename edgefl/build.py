@@ -222,9 +222,11 @@ class RunParts:
         return [s.client_id for s in self.slots]
 
     def slot(self, device_id: str) -> DeviceSlot:
-        for s in self.slots:
-            if s.client_id == device_id:
-                return s
+        index = self.__dict__.get("_by_id")
+        if index is None or len(index) != len(self.slots):  # built once: a fleet of thousands looks devices up often
+            index = self.__dict__["_by_id"] = {s.client_id: s for s in self.slots}
+        if device_id in index:
+            return index[device_id]
         ids = self.device_ids
         raise ConfigError(f"device {device_id!r} is not in this config's fleet", hint=f"device ids are {ids[0]} .. {ids[-1]}")
 

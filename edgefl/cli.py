@@ -165,10 +165,15 @@ def _fail_on_failed_rounds(summary: dict, run_path: Path) -> None:
         raise typer.Exit(EXIT_ROUNDS_FAILED)
 
 
-def _fleet_printer(console: Console, total: int, beat=None):
+PER_DEVICE_LINES_MAX = 64  # larger fleets print counts: ten thousand "joined" lines help nobody
+
+
+def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
     """Fleet progress as lines: who joined, who uploaded, round state (and the status a
-    :class:`~edgefl.heartbeat.Heartbeat` repeats while the server waits)."""
+    :class:`~edgefl.heartbeat.Heartbeat` repeats while the server waits). A fleet of more than
+    PER_DEVICE_LINES_MAX devices gets no line per device, only the round's counts."""
     waiting: dict[str, Any] = {}
+    per_device = devices <= PER_DEVICE_LINES_MAX
 
     def on_event(kind: str, info: dict) -> None:
         if beat is not None:
@@ -181,12 +186,15 @@ def _fleet_printer(console: Console, total: int, beat=None):
                 beat.status(f"round {info['round']}/{total}: evaluating")
             if kind in ("round", "upload") and waiting:
                 beat.status(f"round {waiting['round']}/{total}: {waiting['reported']}/{waiting['selected']} devices reported, waiting")
+        if kind in ("presence", "upload", "late") and not per_device:
+            return
         if kind == "presence":
             console.print(f"  {info['device']} {'joined' if info['online'] else 'went offline'}")
         elif kind == "resumed":
             console.print(f"resuming at round {info['round']}")
         elif kind == "joined":
-            console.print(f"{info['online']} devices online" + (f"; starting without {', '.join(info['missing'])}" if info["missing"] else ""))
+            missing = info["missing"]
+            console.print(f"{info['online']} devices online" + (f"; starting without {_few(missing)}" if missing else ""))
         elif kind == "round":
             console.print(f"[bold]round {info['round']}/{total}[/]: {len(info['selected'])} devices selected")
         elif kind == "upload":
@@ -200,9 +208,14 @@ def _fleet_printer(console: Console, total: int, beat=None):
         elif kind == "closed":
             acc = info["accuracy"]
             console.print(f"round {info['round']} {info['outcome']}: {len(info['reported'])}/{len(info['selected'])} reported"
-                          + (f", missing {', '.join(info['missing'])}" if info["missing"] else "")
+                          + (f" (target {info['target']}, {len(info['late'])} late)" if info.get("target", 0) < len(info["selected"]) else "")
+                          + (f", missing {_few(info['missing'])}" if info["missing"] else "")
                           + (f", acc {acc['overall']:.4f}" if acc else "") + f", {info['round_time_s']:.1f}s")
     return on_event
+
+
+def _few(ids: list[str], show: int = 8) -> str:
+    return ", ".join(ids[:show]) + (f" and {len(ids) - show} more" if len(ids) > show else "")
 
 
 @app.command()
@@ -230,7 +243,7 @@ def fleet(
     err.print(f"run directory: {run.path}")
     board = _open_dashboard(run.path, dashboard)
     with _stoppable() as (stop, beat):
-        summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat), parts=parts,
+        summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), parts=parts,
                             should_stop=stop.requested)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
         board.stop()
@@ -275,7 +288,7 @@ def server(
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
     board = _open_dashboard(run.path, dashboard)
     with _stoppable() as (stop, beat):
-        summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds, beat), username, os.environ.get(password_env),
+        summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), username, os.environ.get(password_env),
                         str(ca_file) if ca_file else None, resume=resume, parts=parts, should_stop=stop.requested)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
         board.stop()
@@ -314,6 +327,60 @@ def client(
     results = run_device(cfg, device_id, broker, timeout, username or (device_id if password else None), password,
                          str(ca_file) if ca_file else None, state_dir if keep_state else None)
     err.print(f"{device_id}: {len(results)} rounds served")
+
+
+@app.command()
+def loadgen(
+    broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT of the fleet's broker")],
+    config: Annotated[Path, typer.Option(help="the run config the server uses (TOML)")],
+    devices: Annotated[Optional[str], typer.Option(help="which of the fleet's devices this process plays: A:B (indices, "
+                                                        "end exclusive); default all")] = None,
+    data_dir: DataDir = None,
+    set_: Annotated[list[str], typer.Option("--set", help="override a key (repeatable)")] = [],  # noqa: B006
+    compute_s: Annotated[float, typer.Option(help="median seconds a device takes from download to upload")] = 1.0,
+    compute_spread: Annotated[float, typer.Option(help="sigma of the lognormal spread around it")] = 0.5,
+    dropout: Annotated[float, typer.Option(help="chance that a selected device drops out of its round")] = 0.0,
+    rejoin_s: Annotated[float, typer.Option(help="seconds a dropped device stays offline")] = 30.0,
+    churn: Annotated[float, typer.Option(help="random disconnects per device per minute (each reconnects)")] = 0.0,
+    connect_per_s: Annotated[float, typer.Option(help="connections opened per second at start")] = 2000.0,
+    seed: Annotated[int, typer.Option(help="seeds delays, drop-outs and churn")] = 0,
+    timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 3600.0,
+    stats: Annotated[Optional[Path], typer.Option(help="write what the devices saw (per round: published, accepted, late, "
+                                                       "refused, unanswered) to this JSON file")] = None,
+    username: Annotated[Optional[str], typer.Option(help="MQTT username for every device (default: none)")] = None,
+    password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
+) -> None:
+    """Play many devices of a fleet from one process: protocol-level devices (the real device loop
+    and MQTT session each, uploads made by one real client half per architecture) with compute
+    delays, drop-outs and reconnects, to load a server and broker with thousands of devices."""
+    import json
+    import os
+
+    from edgefl.config import load_config
+    from edgefl.fleet.swarm import LoadSettings, run_load
+    from edgefl.transport.topics import device_ids
+
+    cfg = load_config(config, _cli_overrides(set_, data_dir), "demo")
+    ids = device_ids(cfg.fleet.num_clients)
+    if devices is not None:
+        try:
+            a, b = (int(v) if v else None for v in devices.split(":"))
+        except ValueError:
+            raise EdgeflError(f"--devices {devices!r}: expected A:B, e.g. 0:5000") from None
+        ids = ids[a:b]
+        if not ids:
+            raise EdgeflError(f"--devices {devices!r} selects none of the fleet's {cfg.fleet.num_clients} devices")
+    settings = LoadSettings(compute_s, compute_spread, dropout, rejoin_s, churn, connect_per_s, seed)
+    err.print(f"connecting {len(ids)} devices ({ids[0]} .. {ids[-1]}) to {broker}")
+    result = run_load(cfg, broker, ids, settings, timeout_s=timeout, username=username, password=os.environ.get(password_env),
+                      on_connected=lambda s: err.print(f"{len(ids)} devices connected in {s:.1f} s"))
+    if stats is not None:
+        stats.write_text(json.dumps(result, indent=1))
+    done = result["finished"]
+    err.print(f"{done}/{len(ids)} devices saw the run end; {result['template_fits']} template trainings; "
+              f"{result['disconnects']} disconnects")
+    if done < len(ids):
+        raise typer.Exit(1)
 
 
 @app.command("broker-config")

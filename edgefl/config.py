@@ -158,10 +158,38 @@ def _family_params(model: str) -> dict[str, inspect.Parameter]:
 class FleetSettings(Strict):
     groups: list[GroupSettings] = Field(min_length=1)
     sample_ratio: float = Field(1.0, gt=0, le=1, description="share of the devices selected each round")
+    per_round: int | None = Field(
+        None, ge=1, description="target updates per round (cross-device FL): devices are drawn from those online, the round closes as "
+                                "soon as this many are accepted, and later uploads are answered late; replaces sample_ratio")
+    over_select: float = Field(
+        0.0, ge=0, le=10, description="with per_round: select this share more devices than the target, to cover drop-outs "
+                                      "(production systems use about 0.3)")
+
+    @model_validator(mode="after")
+    def _one_way_to_select(self) -> FleetSettings:
+        if self.per_round is not None and self.sample_ratio != 1.0:
+            raise ValueError("set either sample_ratio (a share of all devices) or per_round (a target count from those online), not both")
+        if self.per_round is None and self.over_select:
+            raise ValueError("over_select adds devices beyond per_round's target: set per_round too")
+        if self.per_round is not None and self.per_round > self.num_clients:
+            raise ValueError(f"per_round = {self.per_round}, but the fleet has only {self.num_clients} devices")
+        return self
 
     @property
     def num_clients(self) -> int:
         return sum(g.count for g in self.groups)
+
+    def selection_size(self, pool: int) -> int:
+        """How many of ``pool`` devices a round selects."""
+        if self.per_round is None:
+            k = math.ceil(self.sample_ratio * pool - 1e-9)
+        else:
+            k = math.ceil(self.per_round * (1 + self.over_select) - 1e-9)
+        return max(1, min(k, pool))
+
+    def target(self, selected: int) -> int:
+        """Accepted updates that close a round early: per_round when set, else every selected device."""
+        return selected if self.per_round is None else min(self.per_round, selected)
 
 
 class EvalSettings(Strict):
@@ -242,10 +270,11 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _quorum_reachable(self) -> RunConfig:
         q = self.network.quorum
-        selected = max(1, math.ceil(self.fleet.sample_ratio * self.fleet.num_clients - 1e-9))
+        selected = self.fleet.target(self.fleet.selection_size(self.fleet.num_clients))
         if q > 1 and q > selected:
-            raise ValueError(f"network.quorum = {int(q)} devices, but a round selects only {selected} "
-                             f"({self.fleet.num_clients} devices x sample_ratio {self.fleet.sample_ratio:g}): no round could close")
+            how = (f"per_round = {self.fleet.per_round}" if self.fleet.per_round is not None
+                   else f"{self.fleet.num_clients} devices x sample_ratio {self.fleet.sample_ratio:g}")
+            raise ValueError(f"network.quorum = {int(q)} devices, but a round needs only {selected} ({how}): no round could close")
         return self
 
     def max_epochs(self) -> int:

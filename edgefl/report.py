@@ -23,6 +23,9 @@ def _pyplot():
     return plt
 
 
+PARTITION_BARS_MAX = 100  # more clients: the partition is drawn as a clients x classes image
+
+
 def draw_plots(run: RunDir) -> list[Path]:
     """Accuracy per round per architecture, the partition, and communication per round."""
     plt = _pyplot()
@@ -91,15 +94,24 @@ def draw_plots(run: RunDir) -> list[Path]:
     if part_path.is_file():
         part = run.read_json("partition.json")
         clients = part["clients"]
-        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(clients)), 4))
-        bottoms = [0] * len(clients)
-        for c, name in enumerate(part["class_names"]):
-            vals = [cl["class_counts"][c] for cl in clients]
-            ax.bar(range(len(clients)), vals, bottom=bottoms, label=name)
-            bottoms = [b + v for b, v in zip(bottoms, vals)]
-        ax.set_xticks(range(len(clients)), [cl["client_id"] for cl in clients], rotation=60, fontsize=7)
-        ax.set(ylabel="samples", title="Training samples per client and class")
-        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+        if len(clients) > PARTITION_BARS_MAX:
+            # thousands of bars (and ids) would make a figure metres wide: one column per client
+            fig, ax = plt.subplots(figsize=(10, 4))
+            counts = [[cl["class_counts"][c] for cl in clients] for c in range(len(part["class_names"]))]
+            image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
+            ax.set_yticks(range(len(part["class_names"])), part["class_names"], fontsize=7)
+            ax.set(xlabel=f"client (0 .. {len(clients) - 1}, config order)", title="Training samples per client and class")
+            fig.colorbar(image, ax=ax, label="samples")
+        else:
+            fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(clients)), 4))
+            bottoms = [0] * len(clients)
+            for c, name in enumerate(part["class_names"]):
+                vals = [cl["class_counts"][c] for cl in clients]
+                ax.bar(range(len(clients)), vals, bottom=bottoms, label=name)
+                bottoms = [b + v for b, v in zip(bottoms, vals)]
+            ax.set_xticks(range(len(clients)), [cl["client_id"] for cl in clients], rotation=60, fontsize=7)
+            ax.set(ylabel="samples", title="Training samples per client and class")
+            ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
         written.append(_save(fig, out_dir / "partition.png", plt))
     return written
 

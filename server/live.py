@@ -37,6 +37,7 @@ class LiveState:
         self._quorum_count = quorum_count  # the round loop's own rule (NetworkSettings.quorum_count)
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self._written = 0.0
+        self._reported: set[str] = set()  # this round's reporters, beside the document's list (no scans per upload)
         self.write(force=True)
 
     def on_event(self, kind: str, info: dict[str, Any]) -> None:
@@ -46,6 +47,7 @@ class LiveState:
             devices[info["device"]]["online"] = bool(info["online"])
         elif kind == "round":
             selected = info["selected"]
+            self._reported = set()
             self.doc["round"] = {"round": info["round"], "selected": selected, "reported": [], "quorum": self._quorum_count(len(selected)),
                                  "deadline_unix": info.get("deadline_unix"), "started_unix": time.time(), "outcome": None}
             self.doc["status"] = "running"
@@ -56,7 +58,8 @@ class LiveState:
             entry["receipts"][status] = entry["receipts"].get(status, 0) + 1
             entry["last_round"] = info.get("round")
             current = self.doc["round"]
-            if current is not None and info["device"] not in current["reported"]:
+            if current is not None and info["device"] not in self._reported:
+                self._reported.add(info["device"])
                 current["reported"].append(info["device"])
         elif kind == "late" and info.get("device") in devices:
             devices[info["device"]]["receipts"]["late"] += 1
@@ -84,7 +87,8 @@ class LiveState:
 
     def write(self, force: bool = False) -> None:
         now = time.time()
-        if not force and now - self._written < MIN_INTERVAL_S:
+        # the document grows with the fleet (about 200 bytes a device): write a large one less often
+        if not force and now - self._written < MIN_INTERVAL_S * max(1.0, len(self.doc["devices"]) / 1000):
             return
         self._written = now
         self.doc["updated_unix"] = now

@@ -48,9 +48,15 @@ MAX_STRANGERS = 1000  # unknown ids remembered for that rate limit
 EventSink = Callable[[str, dict[str, Any]], None]
 
 
+ANNOUNCE_SELECTED_MAX = 100  # larger selections are announced as a count: every device receives the announcement
+
+
 def select_devices(cfg: RunConfig, device_ids: list[str], round_no: int) -> list[str]:
-    """This round's participants: ceil(ratio x devices), drawn from (seed, round)."""
-    k = max(1, math.ceil(cfg.fleet.sample_ratio * len(device_ids) - 1e-9))
+    """This round's participants from ``device_ids`` (the pool): ceil(ratio x pool), or
+    per_round x (1 + over_select), drawn from (seed, round)."""
+    if not device_ids:
+        return []
+    k = cfg.fleet.selection_size(len(device_ids))
     if k >= len(device_ids):
         return list(device_ids)
     rng = np.random.default_rng(derive_seed(cfg.seed, "sample", round_no))
@@ -76,6 +82,19 @@ class RoundState:
     accepted_ids: dict[str, str] = field(default_factory=dict)
     train_loss: dict[str, float] = field(default_factory=dict)
     work_s: dict[str, float | None] = field(default_factory=dict)  # virtual seconds of work (simulation)
+    target: int = 0  # accepted updates that close the round (0: every selected device)
+    accepted: int = 0
+    closed_unix: float | None = None  # wall clock when the round stopped taking uploads
+    last_accepted_unix: float | None = None  # wall clock of the last upload it counted
+
+    def __post_init__(self) -> None:
+        self.chosen = frozenset(self.selected)  # membership tests stay O(1) with thousands selected
+        self.target = self.target or len(self.selected)
+
+    @property
+    def full(self) -> bool:
+        """The round has its target of accepted updates: later uploads are late."""
+        return self.accepted >= self.target
 
 
 class Orchestrator:
@@ -117,6 +136,7 @@ class Orchestrator:
         self._connects_seen = transport.connects if transport is not None else 0
         self._evaluation: dict[str, float] | None = None  # answers to evaluate requests, while collected
         self._asked: set[str] = set()  # devices sent an evaluate request that is being collected
+        self._online_count = 0  # devices whose presence is online (kept with self.online: no scans per message)
 
     def connect(self, transport: ServerTransport) -> None:
         """Run over ``transport`` (a server that restores its state first connects afterwards)."""
@@ -211,14 +231,15 @@ class Orchestrator:
         was = self.online.get(device, False)
         self.online[device] = online
         if online != was:
+            self._online_count += 1 if online else -1
             self.on_event("presence", {"device": device, "online": online})
         st = self.state
-        if st is not None and device in st.selected and device not in st.reported:
+        if st is not None and device in st.chosen and device not in st.reported:
             if online:
                 st.offline_since.pop(device, None)
             else:
                 st.offline_since.setdefault(device, self.transport.now())
-        if online and not was and st is not None and device in st.selected and device not in st.reported:
+        if online and not was and st is not None and device in st.chosen and device not in st.reported and not st.full:
             # a device that (re)joined mid-round may have missed its download: send it again
             # (the device ignores a second copy of a round it has served)
             self._send(device, st.downloads[device])
@@ -284,12 +305,18 @@ class Orchestrator:
         if message.round < 1:
             self._reject(device, env, "rounds start at 1")
             return
-        if st is None and not self.spec.asynchronous:
-            # between rounds a synchronous server must not hold anything: it would count in the next round
-            self._reply(device, env, "ack", status="late", reason=f"round {message.round} is closed; not used")
+        closed = st is None or st.full
+        if not self.spec.asynchronous and (st is None or (st.full and message.round == current)):
+            # between rounds (or once the round has its target) a synchronous server must not hold
+            # anything: it would count in the next round
+            why = "is closed" if st is None else f"closed with its target of {st.target} updates"
+            self._reply(device, env, "ack", status="late", reason=f"round {message.round} {why}; not used")
+            if st is not None:
+                st.late.append(device)
+                st.receipts.setdefault(device, "late: after the round reached its target")
             self.on_event("late", {"device": device, "round": message.round, "status": "late"})
             return
-        if st is not None and message.round == current and device not in st.selected:
+        if st is not None and message.round == current and device not in st.chosen:
             self._reject(device, env, f"{device} is not selected in round {current}")
             return
         if st is not None and message.round == current and st.reported.get(device) == "accepted" \
@@ -300,6 +327,10 @@ class Orchestrator:
         if receipt_status == "rejected":
             self._reject(device, env, reason)
             return
+        if receipt_status == "accepted" and closed and message.round == current:
+            # an asynchronous method keeps knowledge that comes after its round closed, but the
+            # round's count does not change: the device hears "late"
+            receipt_status, reason = "late", f"round {message.round} closed; kept for the next rounds"
         self._reply(device, env, "ack", status=receipt_status, **({"reason": reason} if reason else {}))
         if message.meta.get("eval_accuracy") is not None and receipt_status != "duplicate":
             self.evaluator.device_reported(device, message.meta["eval_accuracy"])
@@ -307,8 +338,10 @@ class Orchestrator:
             return
         if receipt_status == "duplicate" and message.round < current:
             return  # a replay of an upload already counted in its own round
-        if message.round < current or receipt_status == "late":
+        if message.round < current or receipt_status == "late" or closed:
             st.late.append(device)
+            if message.round == current:
+                st.receipts.setdefault(device, f"late: {reason}" if reason else "late")
             self.on_event("late", {"device": device, "round": message.round, "status": receipt_status})
             return
         if receipt_status == "accepted" or device not in st.reported:
@@ -316,6 +349,8 @@ class Orchestrator:
             st.receipts[device] = receipt_status if not reason else f"{receipt_status}: {reason}"
             if receipt_status == "accepted":
                 st.accepted_ids[device] = message.message_id
+                st.accepted += 1
+                st.last_accepted_unix = time.time()
             if not message.tensors:  # a report with nothing to share (local-only's status) is control traffic
                 st.bytes_control += size
             else:
@@ -374,6 +409,7 @@ class Orchestrator:
         if self.transport.connects != self._connects_seen:
             self._connects_seen = self.transport.connects
             self.online = {}
+            self._online_count = 0
             self.on_event("reconnected", {"connects": self._connects_seen})
 
     def _pump(self, timeout_s: float) -> None:
@@ -397,7 +433,7 @@ class Orchestrator:
         now on) or the timeout passes; returns who is missing."""
         self.announce(self.last_round, {"selected": [], "deadline_unix": time.time(), "rounds": self.cfg.rounds, "done": False})
         end = self.transport.now() + timeout_s
-        while self.transport.now() < end and not all(self.online.get(d) for d in self.device_ids):
+        while self.transport.now() < end and self._online_count < len(self.device_ids):
             item = self.transport.receive(min(end - self.transport.now(), 0.5))
             if item is not None:
                 self.handle(item)
@@ -410,13 +446,16 @@ class Orchestrator:
 
     def run_round(self, r: int) -> dict[str, Any]:
         wall0 = time.perf_counter()
-        selected = select_devices(self.cfg, self.device_ids, r)
+        selected = select_devices(self.cfg, self._pool(), r)
         self.server.begin_round(r)
         now = self.transport.now()
         evaluate = self.is_eval_round(r)
-        st = self.state = RoundState(r, selected, now, now + self.deadline_s)
-        self.announce(r, {"selected": selected, "deadline_unix": time.time() + self.deadline_s, "rounds": self.cfg.rounds,
-                          "done": False})
+        st = self.state = RoundState(r, selected, now, now + self.deadline_s, target=self.cfg.fleet.target(len(selected)))
+        # every device receives the announcement: thousands of ids would multiply into megabytes
+        # per round, so a large selection is announced as a count (each device learns from its download)
+        listed = {"selected": selected} if len(selected) <= ANNOUNCE_SELECTED_MAX else {}
+        self.announce(r, {**listed, "selected_count": len(selected), "target": st.target,
+                          "deadline_unix": time.time() + self.deadline_s, "rounds": self.cfg.rounds, "done": False})
         # devices judge their own models only when no global model will judge them
         info = {"info": {"run": self.run_id, **({"evaluate": True} if evaluate and self.evaluator.devices_report(self.server) else {})}}
         for device in selected:
@@ -436,6 +475,7 @@ class Orchestrator:
         self.early = {}
         self.accept_early = False
         outcome = self._collect(st)
+        st.closed_unix = time.time()
         if outcome == "failed":
             self.server.discard_round(r)
             server_record: dict[str, Any] = {"failed": True}
@@ -458,13 +498,21 @@ class Orchestrator:
         self.on_event("closed", record)
         return record
 
+    def _pool(self) -> list[str]:
+        """Who a round selects from: every device, or with ``fleet.per_round`` those online (all
+        of them when none is: downloads wait in the broker for devices with a session)."""
+        if self.cfg.fleet.per_round is None:
+            return self.device_ids
+        online = [d for d in self.device_ids if self.online.get(d)]
+        return online or self.device_ids
+
     def _collect(self, st: RoundState) -> str:
-        quorum = self.net.quorum_count(len(st.selected))
+        quorum = self.net.quorum_count(st.target)
         for device in st.selected:  # offline when the round starts: the grace counts from now
             if self.online.get(device) is False:
                 st.offline_since[device] = self.transport.now()
         while True:
-            if all(d in st.reported for d in st.selected):
+            if st.full or len(st.reported) >= len(st.selected):
                 return "complete"
             remaining = st.deadline - self.transport.now()
             if self._all_gone(st):
@@ -486,6 +534,8 @@ class Orchestrator:
         """Every selected device that has not reported has been offline for ``offline_grace_s``:
         nobody is left to wait for. (A refused upload does not count: the device may send a good
         one, and a forged refusal must not end a device's round.)"""
+        if len(st.offline_since) < len(st.selected) - len(st.reported):
+            return False  # someone who has not reported is online: no need to look (O(1) per message)
         waiting = [d for d in st.selected if d not in st.reported]
         now = self.transport.now()
         return len(st.reported) < len(st.selected) and all(
@@ -495,7 +545,7 @@ class Orchestrator:
         """Selected devices whose work is known to be still under way when the round closed (only
         a simulated network knows): stragglers, with their virtual time."""
         for device, (round_no, work_s) in self.transport.in_flight().items():
-            if round_no == st.round and device in st.selected and device not in st.reported:
+            if round_no == st.round and device in st.chosen and device not in st.reported:
                 st.work_s[device] = work_s
                 over = f"{work_s:.1f} s > {self.deadline_s:g} s deadline" if work_s is not None else "after the deadline"
                 st.receipts[device] = f"dropped: straggler ({over})"
@@ -540,11 +590,16 @@ class Orchestrator:
     def _record(self, st: RoundState, outcome: str, server_record: dict[str, Any], accuracy: dict[str, Any] | None,
                 clock_s: float, train_s: float, eval_s: float, wall_s: float) -> dict[str, Any]:
         missing = sorted(set(st.selected) - set(st.reported))
-        receipts = {d: st.receipts.get(d, "missing: no upload by the deadline") for d in st.selected}
+        unheard = "missing: the round reached its target first" if st.full else "missing: no upload by the deadline"
+        receipts = {d: st.receipts.get(d, unheard) for d in st.selected}
         record: dict[str, Any] = {
             "round": st.round,
             "outcome": outcome,
             "selected": st.selected,
+            "target": st.target,
+            "accepted": st.accepted,
+            "closed_unix": st.closed_unix,
+            "last_accepted_unix": st.last_accepted_unix,
             "reported": sorted(st.reported),
             "missing": missing,
             "late": st.late,
@@ -582,6 +637,19 @@ class Orchestrator:
             "round_virtual_s": round(clock_s, 4) if stragglers else (max(finished) if finished else None),
         })
 
+    def _drain(self, quiet_s: float = 0.5, max_s: float = 5.0) -> None:
+        """Before announcing the end: answer what is still arriving (late), until the network has
+        been quiet for ``quiet_s`` (at most ``max_s``), so no upload that reached the server goes
+        unanswered; over-selected devices of the last round report after it closed."""
+        if self.transport.virtual_clock:
+            return  # the simulation's devices have nothing in flight that is not already queued
+        end = time.monotonic() + max_s
+        while time.monotonic() < end:
+            item = self.transport.receive(quiet_s)
+            if item is None:
+                return
+            self.handle(item)
+
     # --- the whole run ------------------------------------------------------------------------
     def run(self, first_round: int = 1, after_round: Callable[[dict[str, Any]], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
@@ -595,5 +663,6 @@ class Orchestrator:
             record = self.run_round(r)
             if after_round is not None:
                 after_round(record)
+        self._drain()
         self.announce(self.cfg.rounds, {"done": True, "rounds": self.cfg.rounds})
         return self.history

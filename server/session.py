@@ -60,7 +60,7 @@ class RunSession:
         if run_dir is not None:  # what the dashboard shows while the run goes on
             facts = {s.client_id: {"arch": s.arch, "profile": s.profile.id if s.profile else None,
                                    "judged": s.client_id in judged, "samples": int(len(s.sample_indices))} for s in parts.slots}
-            self.live = LiveState(run_dir.path, facts, cfg.rounds, cfg.network.quorum_count, runner)
+            self.live = LiveState(run_dir.path, facts, cfg.rounds, lambda n: cfg.network.quorum_count(cfg.fleet.target(n)), runner)
         self.orchestrator = Orchestrator(cfg, self.spec, self.server, transport, parts.device_ids, federation, self.evaluator,
                                          deadline_s=deadline_s, profiles=profiles, on_event=self._events(on_event))
         self.start = self._start_record(runner, federation, start_facts or {})

@@ -144,7 +144,8 @@ RUN = "5f3a9c0e12d47b86"  # a run id (info.run), as the server draws one
 
 
 def round_announcement() -> bytes:
-    info = {"selected": ["client-0", "client-1"], "deadline_unix": DEADLINE_UNIX, "rounds": 3, "done": False, "run": RUN, "classes": 3}
+    info = {"selected": ["client-0", "client-1"], "selected_count": 2, "target": 2, "deadline_unix": DEADLINE_UNIX, "rounds": 3, "done": False,
+            "run": RUN, "classes": 3}
     return pack(Envelope("round", FED, 1, "server", message_id=ident(0x1), model_version=1, extra={"info": info}))
 
 

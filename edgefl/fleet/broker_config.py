@@ -69,7 +69,7 @@ def acl_text(federation: str) -> str:
     ])
 
 
-def config_text(directory: Path, port: int, tls: bool, max_packet_bytes: int) -> str:
+def config_text(directory: Path, port: int, tls: bool, max_packet_bytes: int, devices: int = 0) -> str:
     lines = [
         "# mosquitto configuration written by `edgefl broker-config` (docs/deploy.md)",
         "# the listener comes first: a listener option above it would open a default one on 1883",
@@ -84,8 +84,9 @@ def config_text(directory: Path, port: int, tls: bool, max_packet_bytes: int) ->
         f"persistence_location {directory / 'data'}/",
         "autosave_interval 30",
         f"max_packet_size {min(max_packet_bytes, MQTT_MAX_PACKET)}",
-        "# queued QoS 1 messages per client: a fleet's downloads and acks must not be dropped",
-        "max_queued_messages 10000",
+        "# queued QoS 1 messages per client: a fleet's downloads and acks must not be dropped, and the server",
+        "# takes every device's retained presence plus a round's uploads at once (two per device, at least 10000)",
+        f"max_queued_messages {max(10000, 2 * devices + 1000)}",
         "persistent_client_expiration 7d",
     ]
     if tls:
@@ -209,5 +210,5 @@ def write_broker_config(directory: Path, devices: int, federation: str, port: in
     if tls:
         certs = directory / "certs"
         make_certs(certs, hostname)
-    (directory / "mosquitto.conf").write_text(config_text(directory, port, tls, max_packet_bytes))
+    (directory / "mosquitto.conf").write_text(config_text(directory, port, tls, max_packet_bytes, devices))
     return BrokerConfig(directory, directory / "mosquitto.conf", directory / "passwords", directory / "acl", cred_file, certs, ids)

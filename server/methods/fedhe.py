@@ -34,6 +34,9 @@ class FedHeServer(ServerHalf):
     def __init__(self, clients, options, **kw) -> None:
         super().__init__(clients, options, **kw)
         self.store: dict[str, _Report] = {}
+        # the average depends only on the store and the round: computed once per change, not once
+        # per selected device's download (a thousand downloads over ten thousand reports)
+        self._average: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def accept(self, message: Message) -> Receipt:
         if message.kind != "class_logits":
@@ -57,6 +60,7 @@ class FedHeServer(ServerHalf):
         if bool((counts < 0).any()):
             return Receipt("rejected", "counts must not be negative")
         self.store[message.sender] = _Report(message.round, classes.clone(), logits.float().clone(), counts.clone())
+        self._average = None
         status = "late" if message.round < self.round else "accepted"
         return Receipt(status, "used: FedHe accepts knowledge at any time" if status == "late" else "")
 
@@ -67,8 +71,17 @@ class FedHeServer(ServerHalf):
             reports = [r for r in reports if r.round > self.round - max_age - 1]
         return reports
 
+    def begin_round(self, round_no: int) -> None:
+        super().begin_round(round_no)
+        self._average = None  # max_age_rounds counts from the round
+
     def global_logits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-class mean of the stored client averages, and which classes have any."""
+        if self._average is None:
+            self._average = self._mean_of_reports()
+        return self._average
+
+    def _mean_of_reports(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.num_classes
         sums = torch.zeros(c, c, dtype=torch.float64)
         n = torch.zeros(c, dtype=torch.int64)

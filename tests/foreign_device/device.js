@@ -343,7 +343,7 @@ function handle(topic, payload) {
         }
       } else {
         seenRuns.add(info.run);
-        log(`round ${header.round} announced, selected [${info.selected}]`);
+        log(`round ${header.round} announced, selected ${info.selected ? `[${info.selected}]` : `${info.selected_count} devices`}`);
       }
       break;
     }
