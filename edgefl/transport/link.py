@@ -118,7 +118,10 @@ class Link:
         self.inbox.put(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain)))
 
     # --- use ----------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 15.0) -> Link:
+    def open(self) -> None:
+        """Open the connection and queue CONNECT, without a network thread: :meth:`start` adds
+        paho's thread; the load generator (:mod:`edgefl.fleet.swarm`) drives thousands of links
+        from one selector loop instead."""
         kwargs = {}
         if self.v5:
             from paho.mqtt.packettypes import PacketTypes
@@ -132,6 +135,9 @@ class Link:
         except OSError as exc:
             raise EdgeflError(f"cannot reach the broker at {self.address}: {exc}",
                               hint="start one (edgefl fleet starts its own) or check --broker") from None
+
+    def start(self, timeout_s: float = 15.0) -> Link:
+        self.open()
         self.client.loop_start()
         if not self.connected.wait(timeout_s):
             self.stop()
