@@ -274,7 +274,8 @@ class RunConfig(Strict):
         if q > 1 and q > selected:
             how = (f"per_round = {self.fleet.per_round}" if self.fleet.per_round is not None
                    else f"{self.fleet.num_clients} devices x sample_ratio {self.fleet.sample_ratio:g}")
-            raise ValueError(f"network.quorum = {int(q)} devices, but a round needs only {selected} ({how}): no round could close")
+            verb = "needs" if self.fleet.per_round is not None else "selects"
+            raise ValueError(f"network.quorum = {int(q)} devices, but a round {verb} only {selected} ({how}): no round could close")
         return self
 
     def max_epochs(self) -> int:

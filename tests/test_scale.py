@@ -83,3 +83,41 @@ def test_protocol_level_devices_load_a_real_server_with_over_selection_and_dropo
         assert sorted(row["accepted_devices"]) == counted
         assert row["unanswered"] == 0
         assert row["published"] == row["accepted"] + row["late"]
+
+
+@pytest.mark.slow  # bench/scale.py measures 1,000 to 10,000 devices
+def test_a_thousand_devices_with_churn_keep_every_count(tmp_path):
+    """1,000 protocol-level devices, 100 per round from 130 selected, drop-outs and random
+    reconnects: rounds close at the target, nothing is lost or counted twice, and the announcement
+    carries the count, not 130 ids."""
+    from edgefl.transport.envelope import unpack
+    from edgefl.transport.link import BrokerAddress, Link
+    from edgefl.transport.topics import Topics
+
+    raw = crowd("fedhe", 1000, per_round=100, over_select=0.3, rounds=3)
+    raw["network"] = {"federation": f"scale-{uuid.uuid4().hex[:8]}", "round_deadline_s": 120.0, "ack_timeout_s": 10.0}
+    cfg = validate_config(raw)
+    stats: dict = {}
+    with mosquitto(tmp_path) as url:
+        topics = Topics(cfg.network.federation)
+        listener = Link(BrokerAddress.parse(url), "announcement-listener", [topics.rounds], None, max_packet_bytes=1 << 20).start()
+        devices = threading.Thread(target=lambda: stats.update(run_load(
+            cfg, url, device_ids(1000), LoadSettings(compute_s=1.0, dropout=0.08, churn_per_min=0.5, rejoin_s=5.0, seed=5),
+            timeout_s=400)))
+        devices.start()
+        summary = serve(cfg, url, RunDir.create(tmp_path / "run", cfg.name, cfg.seed))
+        devices.join(420)
+        announced = []
+        while (item := listener.get(0.5)) is not None:
+            announced.append(unpack(item.payload, 1 << 20).extra["info"])
+        listener.stop()
+    rounds = [info for info in announced if info.get("selected_count")]
+    assert rounds and all("selected" not in info and info["selected_count"] == 130 and info["target"] == 100 for info in rounds)
+    assert stats["finished"] == 1000 and stats["disconnects"] > 0
+    for record in summary["history"]:
+        row = stats["rounds"][record["round"]]
+        assert record["outcome"] == "complete" and record["accepted"] == 100
+        counted = sorted(d for d, receipt in record["receipts"].items() if receipt == "accepted")
+        assert sorted(row["accepted_devices"]) == counted
+        closed = record["closed_unix"]
+        assert not [t for t in row.get("unanswered_published_unix", []) if t < closed]

@@ -176,10 +176,12 @@ class Swarm:
             _, _, (what, device_id) = heapq.heappop(self._timers)
             dev = self.devices[device_id]
             if what == "release":
-                if not dev.transport.dropping:
+                if dev.away and not dev.transport.dropping:
+                    self._at(now + 0.5, ("release", device_id))  # offline for a moment (churn): send when back
+                elif not dev.transport.dropping:
                     dev.transport.release()
             elif what == "drop":
-                self._leave(dev)
+                self._leave(dev, lose_work=True)
                 self._at(now + self.settings.rejoin_s, ("reconnect", device_id))
             elif what == "churn":
                 if not dev.away and dev.link.connected.is_set():
@@ -207,14 +209,17 @@ class Swarm:
         else:
             self._at(now + delay, ("release", dev.id))
 
-    def _leave(self, dev: _Device) -> None:
-        """Go offline without a clean goodbye: the broker publishes the last will (offline)."""
+    def _leave(self, dev: _Device, lose_work: bool = False) -> None:
+        """Go offline without a clean goodbye: the broker publishes the last will (offline). A
+        device that drops out loses the round's work; one that only lost its connection (churn)
+        keeps its upload and its wait for the answer, as the device loop does across reconnects."""
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.reasoncodes import ReasonCode
 
         dev.away = True
-        dev.transport.held = []
-        dev.loop.pending.clear()  # what was under way is lost with the device
+        if lose_work:
+            dev.transport.held = []
+            dev.loop.pending.clear()
         if dev.link.v5:
             dev.link.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message"))
         else:
@@ -277,7 +282,7 @@ class Swarm:
                 next_misc = now + 1.0
                 finished = 0
                 for dev in self.devices.values():
-                    if not dev.away:
+                    if not dev.away and dev.link.connected.is_set():
                         dev.link.client.loop_misc()
                         if dev.loop.pending and now >= dev.transport.hold_until:
                             dev.loop.tick()
