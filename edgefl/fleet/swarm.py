@@ -120,6 +120,7 @@ class Swarm:
         self.devices: dict[str, _Device] = {}
         self.connects = 0
         self.disconnects = 0
+        self.connect_failures = 0  # connection attempts the broker did not take (retried)
         self._credentials = (username, password, ca_file)
         self._max_packet = max_packet_bytes
         for device_id in device_ids:
@@ -233,7 +234,8 @@ class Swarm:
         try:
             dev.link.client.reconnect()
         except OSError as exc:
-            log.warning("%s: reconnect failed (%s); trying again", dev.id, exc)
+            log.debug("%s: reconnect failed (%s); trying again", dev.id, exc)
+            self.connect_failures += 1
             self._at(time.monotonic() + 2 + dev.rng.random() * 3, ("reconnect", dev.id))
 
     # --- running -----------------------------------------------------------------------------------
@@ -252,10 +254,15 @@ class Swarm:
 
     def connect_all(self, timeout_s: float = 300.0) -> float:
         """Connect every device (at ``connect_per_s``); the seconds it took until all were accepted."""
-        t0 = time.monotonic()
+        t0 = next_misc = time.monotonic()
         gap = 1.0 / self.settings.connect_per_s
         for i, dev in enumerate(self.devices.values()):
-            dev.link.open()
+            try:
+                dev.link.open()
+            except EdgeflError as exc:  # a broker whose accept queue overflowed: try again, as a device would
+                log.debug("%s: %s; retrying", dev.id, exc.message)
+                self.connect_failures += 1
+                self._at(time.monotonic() + 1 + dev.rng.random() * 4, ("reconnect", dev.id))
             self._schedule_churn(dev, t0)
             self._pump(max(0.0, t0 + i * gap - time.monotonic()))
         while (connected := self.connected_count()) < len(self.devices):
@@ -264,6 +271,12 @@ class Swarm:
                                   hint="raise the broker's and this process's open-file limits (ulimit -n)")
             self._pump(0.05)
             self._fire(time.monotonic())
+            now = time.monotonic()
+            if now >= next_misc:  # a CONNECT the broker never answered times out here, and is retried
+                next_misc = now + 1.0
+                for dev in self.devices.values():
+                    if not dev.away:
+                        dev.link.client.loop_misc()
         return time.monotonic() - t0
 
     def connected_count(self) -> int:
@@ -329,6 +342,7 @@ class Swarm:
                                       "last_accepted_publish_unix": None, "accepted_devices": []}).setdefault("dropped", 0)
                 rounds[r]["dropped"] = rounds[r].get("dropped", 0) + 1
         return {"devices": len(self.devices), "connects": self.connects, "disconnects": self.disconnects,
+                "connect_failures": self.connect_failures,
                 "finished": sum(d.loop.finished for d in self.devices.values()), "template_fits": self.templates.fits,
                 "rounds": {r: rounds[r] for r in sorted(rounds)}}
 
