@@ -129,26 +129,24 @@ class Swarm:
     # --- building ----------------------------------------------------------------------------
     def _device(self, device_id: str) -> _Device:
         username, password, ca_file = self._credentials
-        link = Link(self.address, f"edgefl-{self.topics.federation}-{device_id}", [self.topics.down(device_id), self.topics.rounds],
-                    self.topics.presence(device_id), username=username, password=password, ca_file=ca_file,
-                    protocol=self.cfg.network.protocol, max_packet_bytes=self._max_packet, keepalive_s=self.cfg.network.keepalive_s)
+        link = MqttDeviceTransport.device_link(self.address, self.topics, device_id, max_packet_bytes=self._max_packet,
+                                               keepalive_s=self.cfg.network.keepalive_s, protocol=self.cfg.network.protocol,
+                                               username=username, password=password, ca_file=ca_file)
         client = link.client
         client.on_socket_open = lambda c, u, sock: self.selector.register(sock, selectors.EVENT_READ, device_id)
         client.on_socket_close = lambda c, u, sock: self._closed(device_id, sock)
         client.on_socket_register_write = lambda c, u, sock: self._interest(sock, device_id, write=True)
         client.on_socket_unregister_write = lambda c, u, sock: self._interest(sock, device_id, write=False)
-        link_connect = link._on_connect
-
-        def on_connect(*args: Any) -> None:
-            link_connect(*args)
-            self.connects += link.connected.is_set()
-        client.on_connect = on_connect
+        link.on_connected = self._count_connect
         transport = _HeldTransport(link, self.topics, device_id)
         template = TemplateClient(device_id, self.templates)
         loop = DeviceLoop(template, transport, self.topics.federation, self.cfg.network)  # type: ignore[arg-type]
         dev = _Device(device_id, link, transport, loop, random.Random(f"{self.settings.seed}:{device_id}"))
         template.on_fit = lambda round_no: self._trained(dev, round_no)
         return dev
+
+    def _count_connect(self) -> None:
+        self.connects += 1
 
     # --- socket bookkeeping ----------------------------------------------------------------------
     def _interest(self, sock, device_id: str, write: bool) -> None:

@@ -76,6 +76,7 @@ class Link:
         self.v5 = protocol == "5"
         self.inbox: queue.Queue[Incoming] = queue.Queue()
         self.connected = threading.Event()
+        self.on_connected = None  # called (in paho's callback) after each accepted connection: the load generator counts them
         self.connect_count = 0
         self.last_disconnect: str | None = None
         self.client = mqtt.Client(
@@ -109,6 +110,8 @@ class Link:
         if self.presence_topic:
             client.publish(self.presence_topic, b"online", qos=1, retain=True)
         self.connected.set()
+        if self.on_connected is not None:
+            self.on_connected()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties=None) -> None:
         self.connected.clear()

@@ -55,13 +55,22 @@ class MqttDeviceTransport(DeviceTransport):
         self.topics = topics
         self.device = device
 
+    @staticmethod
+    def device_link(address: BrokerAddress, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
+                    protocol: str = "5", username: str | None = None, password: str | None = None,
+                    ca_file: str | None = None) -> Link:
+        """A device's connection as docs/PROTOCOL.md sets it up (client id, its down topic and the
+        round announcements, retained presence and last will), not opened yet."""
+        return Link(address, f"edgefl-{topics.federation}-{device}", [topics.down(device), topics.rounds],
+                    topics.presence(device), username=username, password=password, ca_file=ca_file, protocol=protocol,
+                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s)
+
     @classmethod
     def connect(cls, broker: str, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
                 protocol: str = "5", username: str | None = None, password: str | None = None,
                 ca_file: str | None = None) -> MqttDeviceTransport:
-        link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-{device}", [topics.down(device), topics.rounds],
-                    topics.presence(device), username=username, password=password, ca_file=ca_file, protocol=protocol,
-                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s).start()
+        link = cls.device_link(BrokerAddress.parse(broker), topics, device, max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s,
+                               protocol=protocol, username=username, password=password, ca_file=ca_file).start()
         return cls(link, topics, device)
 
     def send(self, data: bytes) -> None:
