@@ -121,3 +121,12 @@ def test_a_thousand_devices_with_churn_keep_every_count(tmp_path):
         assert sorted(row["accepted_devices"]) == counted
         closed = record["closed_unix"]
         assert not [t for t in row.get("unanswered_published_unix", []) if t < closed]
+
+
+def test_the_load_generator_says_when_no_broker_answers():
+    from edgefl.errors import EdgeflError
+    from tests.mosquitto import free_port
+
+    cfg = validate_config(crowd("fedhe", 4, per_round=2, over_select=0.0))
+    with pytest.raises(EdgeflError, match="cannot reach the broker"):
+        run_load(cfg, f"mqtt://127.0.0.1:{free_port()}", device_ids(4), LoadSettings(), timeout_s=60)

@@ -264,9 +264,14 @@ class Swarm:
             self._schedule_churn(dev, t0)
             self._pump(max(0.0, t0 + i * gap - time.monotonic()))
         while (connected := self.connected_count()) < len(self.devices):
-            if time.monotonic() - t0 > timeout_s:
+            waited = time.monotonic() - t0
+            if self.connects == 0 and self.connect_failures >= len(self.devices) and waited > 10:
+                raise EdgeflError(f"cannot reach the broker at {self.address}: every connection attempt failed",
+                                  hint="start one or check --broker")
+            if waited > timeout_s:
                 raise EdgeflError(f"only {connected} of {len(self.devices)} devices connected within {timeout_s:g} s",
-                                  hint="raise the broker's and this process's open-file limits (ulimit -n)")
+                                  hint="the broker may refuse more connections or accept them too slowly: raise its and this "
+                                       "process's open-file limits (ulimit -n), or lower --connect-per-s")
             self._pump(0.05)
             self._fire(time.monotonic())
             now = time.monotonic()
