@@ -35,7 +35,7 @@ log = logging.getLogger("edgefl.server")
 
 STATE_FILE = "server-state.safetensors"
 #: record fields that depend on the machine and the moment, not on the run's numbers
-TIMING_FIELDS = ("round_time_s", "train_time_s", "eval_time_s", "elapsed_s")
+TIMING_FIELDS = ("round_time_s", "train_time_s", "eval_time_s", "elapsed_s", "closed_unix", "last_accepted_unix")  # wall clock: differs run to run
 
 
 def config_digest(cfg: RunConfig) -> str:
