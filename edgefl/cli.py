@@ -367,15 +367,23 @@ def loadgen(
             a, b = (int(v) if v else None for v in devices.split(":"))
         except ValueError:
             raise EdgeflError(f"--devices {devices!r}: expected A:B, e.g. 0:5000") from None
+        if (a or 0) >= len(ids) or (b is not None and b > len(ids)):
+            err.print(f"[yellow]warning:[/] --devices {devices} reaches past the fleet's {len(ids)} devices (0:{len(ids)})")
         ids = ids[a:b]
         if not ids:
             raise EdgeflError(f"--devices {devices!r} selects none of the fleet's {cfg.fleet.num_clients} devices")
     settings = LoadSettings(compute_s, compute_spread, dropout, rejoin_s, churn, connect_per_s, seed)
-    err.print(f"connecting {len(ids)} devices ({ids[0]} .. {ids[-1]}) to {broker}")
+    from edgefl.fleet.launcher import federation
+
+    err.print(f"connecting {len(ids)} devices ({ids[0]} .. {ids[-1]}) of federation {federation(cfg)!r} to {broker} "
+              "(the server must run the same config)")
     result = run_load(cfg, broker, ids, settings, timeout_s=timeout, username=username, password=os.environ.get(password_env),
                       on_connected=lambda s: err.print(f"{len(ids)} devices connected in {s:.1f} s"))
     if stats is not None:
         stats.write_text(json.dumps(result, indent=1))
+    if result["interrupted"]:
+        err.print(f"interrupted: {result['finished']}/{len(ids)} devices had seen the run end" + (f"; stats in {stats}" if stats else ""))
+        raise typer.Exit(130)
     done = result["finished"]
     err.print(f"{done}/{len(ids)} devices saw the run end; {result['template_fits']} template trainings; "
               f"{result['disconnects']} disconnects")

@@ -130,3 +130,27 @@ def test_the_load_generator_says_when_no_broker_answers():
     cfg = validate_config(crowd("fedhe", 4, per_round=2, over_select=0.0))
     with pytest.raises(EdgeflError, match="cannot reach the broker"):
         run_load(cfg, f"mqtt://127.0.0.1:{free_port()}", device_ids(4), LoadSettings(), timeout_s=60)
+
+
+def test_a_device_selected_again_while_still_computing_reports_each_round_under_its_own_round(tmp_path):
+    """Slow devices are still computing when their round closes at its target and may be selected
+    again: each upload keeps its own round and compute time, and the devices' per-round counts
+    agree with the server's answers."""
+    raw = crowd("fedhe", 12, per_round=4, over_select=1.0, rounds=3)
+    raw["network"] = {"federation": f"scale-{uuid.uuid4().hex[:8]}", "round_deadline_s": 60.0, "ack_timeout_s": 5.0}
+    cfg = validate_config(raw)
+    stats: dict = {}
+    with mosquitto(tmp_path) as url:
+        devices = threading.Thread(target=lambda: stats.update(run_load(
+            cfg, url, device_ids(12), LoadSettings(compute_s=0.6, compute_spread=1.0, seed=11), timeout_s=120)))
+        devices.start()
+        summary = serve(cfg, url, RunDir.create(tmp_path / "run", cfg.name, cfg.seed))
+        devices.join(130)
+    late_later = 0
+    for record in summary["history"]:
+        row = stats["rounds"].get(record["round"], {"accepted_devices": [], "published": 0, "accepted": 0, "late": 0, "duplicate": 0})
+        assert sorted(row["accepted_devices"]) == sorted(d for d, r in record["receipts"].items() if r == "accepted")
+        answered = row["accepted"] + row["late"] + row["duplicate"] + row.get("refused", 0)
+        assert row["published"] == answered + row.get("unanswered", 0)
+        late_later += row["late"]
+    assert late_later >= 1  # the over-selected slow ones were heard, and told they were late

@@ -67,8 +67,8 @@ class _HeldTransport(MqttDeviceTransport):
 
     def __init__(self, link: Link, topics: Topics, device: str) -> None:
         super().__init__(link, topics, device)
-        self.hold_until = 0.0
-        self.held: list[bytes] = []
+        self.hold_until = 0.0  # when the work under way is done (a device computes one round at a time)
+        self.held: list[tuple[int, float, bytes]] = []  # (round, when it may go, the bytes)
         self.dropping = False
         self.round = 0  # the round of the upload under way
         self.published: dict[int, float] = {}  # round -> wall clock when its upload first went out
@@ -77,19 +77,21 @@ class _HeldTransport(MqttDeviceTransport):
         if self.dropping:
             return
         if time.monotonic() < self.hold_until:
-            if not any(h is data for h in self.held):
-                self.held.append(data)
+            if not any(h is data for _, _, h in self.held):
+                self.held.append((self.round, self.hold_until, data))
             return
-        self._publish(data)
+        self._publish(self.round, data)
 
-    def _publish(self, data: bytes) -> None:
-        self.published.setdefault(self.round, time.time())
+    def _publish(self, round_no: int, data: bytes) -> None:
+        self.published.setdefault(round_no, time.time())
         self.link.publish(self.topics.up(self.device), data)
 
-    def release(self) -> None:
-        for data in self.held:
-            self._publish(data)
-        self.held = []
+    def release(self, now: float) -> None:
+        """Send what is due; a later round's upload keeps waiting for its own compute time."""
+        due = [h for h in self.held if h[1] <= now]
+        self.held = [h for h in self.held if h[1] > now]
+        for round_no, _, data in due:
+            self._publish(round_no, data)
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Swarm:
         self.connects = 0
         self.disconnects = 0
         self.connect_failures = 0  # connection attempts the broker did not take (retried)
+        self._warned_takeover = False
         self._credentials = (username, password, ca_file)
         self._max_packet = max_packet_bytes
         for device_id in device_ids:
@@ -178,7 +181,7 @@ class Swarm:
                 if dev.away and not dev.transport.dropping:
                     self._at(now + 0.5, ("release", device_id))  # offline for a moment (churn): send when back
                 elif not dev.transport.dropping:
-                    dev.transport.release()
+                    dev.transport.release(now)
             elif what == "drop":
                 self._leave(dev, lose_work=True)
                 self._at(now + self.settings.rejoin_s, ("reconnect", device_id))
@@ -199,14 +202,16 @@ class Swarm:
         s = self.settings
         delay = s.compute_s * math.exp(dev.rng.gauss(0.0, s.compute_spread)) if s.compute_s > 0 else 0.0
         now = time.monotonic()
+        # a device selected again while still computing the last round starts this one after it
+        start = max(now, dev.transport.hold_until)
         dev.transport.round = round_no
-        dev.transport.hold_until = now + delay
+        dev.transport.hold_until = start + delay
         if dev.rng.random() < s.dropout:
             dev.transport.dropping = True
             dev.dropped.append(round_no)
-            self._at(now + delay / 2, ("drop", dev.id))
+            self._at(start + delay / 2, ("drop", dev.id))
         else:
-            self._at(now + delay, ("release", dev.id))
+            self._at(start + delay, ("release", dev.id))
 
     def _leave(self, dev: _Device, lose_work: bool = False) -> None:
         """Go offline without a clean goodbye: the broker publishes the last will (offline). A
@@ -227,6 +232,11 @@ class Swarm:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def _rejoin(self, dev: _Device) -> None:
+        # paho closes the socket before it reports why: by now the reason is known
+        if "taken over" in str(dev.link.last_disconnect or "").lower() and not self._warned_takeover:
+            self._warned_takeover = True
+            log.error("%s was disconnected because another client connected with its id: do two load generators (or a "
+                      "device) play the same devices? Give each process its own --devices range", dev.id)
         dev.away = False
         dev.transport.dropping = False
         try:
@@ -385,10 +395,14 @@ def run_load(cfg: RunConfig, broker: str, device_ids: list[str], settings: LoadS
                   ca_file=ca_file, max_packet_bytes=_packet_limit(cfg))
     try:
         t0 = time.monotonic()
-        connect_s = swarm.connect_all()
-        if on_connected is not None:
-            on_connected(connect_s)
-        swarm.run(max(1.0, timeout_s - (time.monotonic() - t0)))
-        return {**swarm.stats(), "connect_s": round(connect_s, 3)}
+        connect_s = None
+        try:
+            connect_s = swarm.connect_all()
+            if on_connected is not None:
+                on_connected(connect_s)
+            swarm.run(max(1.0, timeout_s - (time.monotonic() - t0)))
+        except KeyboardInterrupt:  # what the devices saw so far is still worth keeping
+            return {**swarm.stats(), "connect_s": connect_s, "interrupted": True}
+        return {**swarm.stats(), "connect_s": round(connect_s, 3), "interrupted": False}
     finally:
         swarm.close()
