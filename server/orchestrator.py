@@ -426,14 +426,14 @@ class Orchestrator:
             self.transport.send(device, pack(env))
 
     # --- rounds -------------------------------------------------------------------------------
-    def wait_for_devices(self, timeout_s: float) -> list[str]:
+    def wait_for_devices(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> list[str]:
         """Before the first round: announce this run (replacing the retained end of an earlier
         run of the same federation, which devices would otherwise read as "done"), then wait until
         every device is online (its subscription exists, so its downloads are queued for it from
         now on) or the timeout passes; returns who is missing."""
         self.announce(self.last_round, {"selected": [], "deadline_unix": time.time(), "rounds": self.cfg.rounds, "done": False})
         end = self.transport.now() + timeout_s
-        while self.transport.now() < end and self._online_count < len(self.device_ids):
+        while self.transport.now() < end and self._online_count < len(self.device_ids) and not should_stop():
             item = self.transport.receive(min(end - self.transport.now(), 0.5))
             if item is not None:
                 self.handle(item)

@@ -174,7 +174,7 @@ class RunSession:
         if self.run_dir is not None:
             save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
             self.run_dir.write_json("summary.json", summary)
-            if self.run_dir.metrics():
+            if (self.run_dir.path / "metrics.jsonl").is_file() and self.run_dir.metrics():  # none when stopped before round 1
                 try:
                     draw_plots(self.run_dir)
                 except EdgeflError as exc:  # matplotlib missing (a lean server install): the numbers are saved

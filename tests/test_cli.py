@@ -161,3 +161,24 @@ def test_export_refuses_an_empty_format_and_an_unwritable_folder_in_one_line(tmp
     res = edgefl("export", str(run), "--format", "onnx", "--out", str(blocker / "exports"))
     assert res.returncode == 2 and "cannot write into" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) <= 3
+
+
+def test_ctrl_c_while_the_server_waits_for_devices_ends_it_as_interrupted(tmp_path):
+    """No device joined yet: the first Ctrl-C stops the wait and the run ends before round 1, as
+    an interruption (exit 130, a run directory to resume), not as a missing-metrics error."""
+    import signal
+    import time
+
+    from tests.mosquitto import mosquitto
+
+    with mosquitto(tmp_path) as url:
+        proc = subprocess.Popen([EDGEFL, "server", "--broker", url, "--config", str(ROOT / "examples" / "fedhe_digits_quick.toml"),
+                                 "--out", str(tmp_path / "run")], stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "run.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted (SIGINT) after 0 of" in stderr and "Traceback" not in stderr

@@ -117,7 +117,8 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     elif on_event:
         on_event("resumed", {"round": first})
     try:
-        session.orchestrator.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s)
+        session.orchestrator.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s,
+                                              should_stop)  # Ctrl-C while waiting: stop waiting, end before round 1
         summary = session.run(first, should_stop=should_stop)
     finally:
         transport.close()
