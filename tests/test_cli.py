@@ -182,3 +182,13 @@ def test_ctrl_c_while_the_server_waits_for_devices_ends_it_as_interrupted(tmp_pa
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "interrupted (SIGINT) after 0 of" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--devices", "x:y"], "expected A:B"),
+    (["--devices", "50:60"], "selects none of the fleet's 6 devices"),
+    (["--dropout", "2"], "load settings out of range: dropout"),
+])
+def test_loadgen_refuses_bad_options_with_a_reason(args: list[str], message: str):
+    res = edgefl("loadgen", "--broker", "mqtt://127.0.0.1:1", "--config", str(ROOT / "examples" / "fedhe_digits_quick.toml"), *args)
+    assert res.returncode != 0 and message in res.stderr and "Traceback" not in res.stderr

@@ -73,7 +73,7 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     x_test, y_test = parts.x_test, parts.y_test
     del parts  # the whole data set: the device keeps its own samples and the test subset
     topics = Topics(federation(cfg))
-    transport = MqttDeviceTransport.connect(broker, topics, device_id, max_packet_bytes=_packet_limit(cfg),
+    transport = MqttDeviceTransport.connect(broker, topics, device_id, max_packet_bytes=packet_limit(cfg),
                                             keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
                                             username=username, password=password, ca_file=ca_file)
     try:
@@ -109,7 +109,7 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
                          deadline_s=cfg.network.round_deadline_s, on_event=on_event, save_state_each_round=True,
                          start_facts={"broker": broker})
     first = session.resume() if resume else 1
-    transport = MqttServerTransport.connect(broker, topics, max_packet_bytes=_packet_limit(cfg), keepalive_s=cfg.network.keepalive_s,
+    transport = MqttServerTransport.connect(broker, topics, max_packet_bytes=packet_limit(cfg), keepalive_s=cfg.network.keepalive_s,
                                             protocol=cfg.network.protocol, username=username, password=password, ca_file=ca_file)
     session.orchestrator.connect(transport)
     if not resume:
@@ -139,7 +139,7 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
     local = None
     if broker is None:
         if broker_kind == "mosquitto" or (broker_kind == "auto" and mosquitto_binary() is not None):
-            local = start_mosquitto(work / "broker", max_packet_bytes=_packet_limit(cfg))
+            local = start_mosquitto(work / "broker", max_packet_bytes=packet_limit(cfg))
             console.print(f"broker: mosquitto at {local.url} (log {work / 'broker' / 'mosquitto.log'})")
         else:
             local = start_embedded(work / "broker")
@@ -188,7 +188,7 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
             local.stop()
 
 
-def _packet_limit(cfg: RunConfig) -> int:
+def packet_limit(cfg: RunConfig) -> int:
     """The broker's packet limit: one chunk (or one unchunked message) plus headroom for the envelope."""
     from edgefl.fleet.broker import MQTT_MAX_PACKET
 

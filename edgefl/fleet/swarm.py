@@ -285,12 +285,23 @@ class Swarm:
             self._pump(0.05)
             self._fire(time.monotonic())
             now = time.monotonic()
-            if now >= next_misc:  # a CONNECT the broker never answered times out here, and is retried
+            if now >= next_misc:
                 next_misc = now + 1.0
-                for dev in self.devices.values():
-                    if not dev.away:
-                        dev.link.client.loop_misc()
+                self._housekeeping(now)
         return time.monotonic() - t0
+
+    def _housekeeping(self, now: float) -> int:
+        """Once a second for every device here: paho's timers (keep-alive pings; a CONNECT the
+        broker never answered times out and is retried) and resends of uploads left unanswered
+        past their compute time. Returns how many devices have heard the end of the run."""
+        finished = 0
+        for dev in self.devices.values():
+            if not dev.away:
+                dev.link.client.loop_misc()
+                if dev.loop.pending and dev.link.connected.is_set() and now >= dev.transport.hold_until:
+                    dev.loop.tick()
+            finished += dev.loop.finished
+        return finished
 
     def connected_count(self) -> int:
         return sum(dev.link.connected.is_set() for dev in self.devices.values())
@@ -304,16 +315,9 @@ class Swarm:
             self._pump(wait)
             now = time.monotonic()
             self._fire(now)
-            if now >= next_misc:  # keep-alive pings and upload resends, once a second for all
+            if now >= next_misc:
                 next_misc = now + 1.0
-                finished = 0
-                for dev in self.devices.values():
-                    if not dev.away and dev.link.connected.is_set():
-                        dev.link.client.loop_misc()
-                        if dev.loop.pending and now >= dev.transport.hold_until:
-                            dev.loop.tick()
-                    finished += dev.loop.finished
-                if finished == len(self.devices):
+                if self._housekeeping(now) == len(self.devices):
                     return
 
     def close(self) -> None:
@@ -332,10 +336,14 @@ class Swarm:
         """Per round: uploads published and how the server answered them (``unanswered``: published
         and never answered, the candidates for a lost update)."""
         rounds: dict[int, dict[str, Any]] = {}
+
+        def row_of(r: int) -> dict[str, Any]:
+            return rounds.setdefault(r, {"published": 0, "accepted": 0, "duplicate": 0, "late": 0, "refused": 0, "unanswered": 0,
+                                         "last_accepted_publish_unix": None, "accepted_devices": []})
+
         for dev in self.devices.values():
             for r, t in dev.transport.published.items():
-                row = rounds.setdefault(r, {"published": 0, "accepted": 0, "duplicate": 0, "late": 0, "refused": 0, "unanswered": 0,
-                                            "last_accepted_publish_unix": None, "accepted_devices": []})
+                row = row_of(r)
                 row["published"] += 1
                 result = dev.loop.results.get(r)
                 if result is None:
@@ -351,9 +359,8 @@ class Swarm:
                         last = row["last_accepted_publish_unix"]
                         row["last_accepted_publish_unix"] = t if last is None else max(last, t)
             for r in dev.dropped:
-                rounds.setdefault(r, {"published": 0, "accepted": 0, "duplicate": 0, "late": 0, "refused": 0, "unanswered": 0,
-                                      "last_accepted_publish_unix": None, "accepted_devices": []}).setdefault("dropped", 0)
-                rounds[r]["dropped"] = rounds[r].get("dropped", 0) + 1
+                row = row_of(r)
+                row["dropped"] = row.get("dropped", 0) + 1
         return {"devices": len(self.devices), "connects": self.connects, "disconnects": self.disconnects,
                 "connect_failures": self.connect_failures,
                 "finished": sum(d.loop.finished for d in self.devices.values()), "template_fits": self.templates.fits,
@@ -384,7 +391,7 @@ def run_load(cfg: RunConfig, broker: str, device_ids: list[str], settings: LoadS
     """Connect ``device_ids`` as protocol-level devices of ``cfg`` and serve the server's run until
     it is done (or ``timeout_s``); returns :meth:`Swarm.stats` with the connect time."""
     from edgefl.build import build_run
-    from edgefl.fleet.launcher import _packet_limit, federation
+    from edgefl.fleet.launcher import federation, packet_limit
 
     limit = raise_open_files(len(device_ids) + 256)
     if limit < len(device_ids) + 64:
@@ -392,7 +399,7 @@ def run_load(cfg: RunConfig, broker: str, device_ids: list[str], settings: LoadS
                           hint="split the devices over processes (--devices A:B) or raise the limit (ulimit -n)")
     parts = build_run(cfg, check=False, raw_pixels=True)  # as edgefl client: 8-bit images until a device takes its samples
     swarm = Swarm(cfg, broker, device_ids, settings, parts, federation=federation(cfg), username=username, password=password,
-                  ca_file=ca_file, max_packet_bytes=_packet_limit(cfg))
+                  ca_file=ca_file, max_packet_bytes=packet_limit(cfg))
     try:
         t0 = time.monotonic()
         connect_s = None
