@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from edgefl.algorithms import ClientHalf, ClientSetup
+from edgefl.compute import resolve_device
 from edgefl.config import GroupSettings, RunConfig
 from edgefl.data import Dataset, class_counts, dirichlet, iid, load_dataset, shards, subsample
 from edgefl.data.views import View, make_view
@@ -190,6 +191,11 @@ def build_client(cfg: RunConfig, ds: Dataset, slot: DeviceSlot) -> ClientHalf:
 
     x, y = take(slot.sample_indices)
     x_test, y_test = take(slot.test_indices) if slot.test_indices is not None else (None, None)
+    device = resolve_device(cfg.device)
+    if device.type != "cpu":  # the model and the device's data live where it trains
+        model.to(device)
+        x, y = x.to(device), y.to(device)
+        x_test, y_test = (None, None) if x_test is None else (x_test.to(device), y_test.to(device))
     setup = ClientSetup(
         client_id=slot.client_id, arch=slot.arch, model=model, x=x, y=y, num_classes=ds.num_classes,
         train=cfg.train_for(slot.group), seed=cfg.seed, total_rounds=cfg.rounds, view=slot.view, x_test=x_test, y_test=y_test,

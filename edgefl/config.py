@@ -237,6 +237,28 @@ class NetworkSettings(Strict):
         return min(selected, int(self.quorum))
 
 
+class SimulationSettings(Strict):
+    """How ``edgefl simulate`` runs the devices' client halves (a fleet's devices run their own;
+    docs/simulation.md measures each choice)."""
+
+    batch_clients: Literal["auto", "on", "off"] = Field(
+        "auto", description="train the selected clients of one architecture together as one batched computation "
+                            "(torch.func.vmap); auto = on CUDA only (on a CPU it measured slower)")
+    workers: int | Literal["auto"] = Field(
+        1, description="worker processes the client halves are spread over (auto: one per core); 1 = in this process")
+    backend: Literal["local", "ray"] = Field("local", description="local processes, or Ray tasks (pip install 'edgefl[ray]')")
+    ray_address: str | None = Field(None, description='backend = "ray": the cluster to join (None: start a local one)')
+    cpus_per_client: float = Field(1.0, gt=0, le=256, description='backend = "ray": CPUs each worker actor asks for')
+    gpus_per_client: float = Field(0.0, ge=0, le=16, description='backend = "ray": GPU share each worker actor asks for')
+
+    @field_validator("workers")
+    @classmethod
+    def _some_workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 1024:
+            raise ValueError(f"workers must be between 1 and 1024 (or \"auto\"), got {value}")
+        return value
+
+
 class MethodSettings(BaseModel):
     """``name`` picks the method; the other keys are that method's options, validated by it."""
 
@@ -252,6 +274,9 @@ class RunConfig(Strict):
     seed: int = Field(0, description="every random draw (partition, initial weights, batch order, selection) derives from it")
     rounds: int = Field(10, ge=1, description="federated rounds (one-shot methods: exactly 1)")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: torch's default)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where client halves train (simulated devices and `edgefl client`) and server halves fuse: "
+                            "auto = CUDA when torch sees a GPU, else the CPU")
     method: MethodSettings
     data: DataSettings = Field(default_factory=DataSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
@@ -259,6 +284,7 @@ class RunConfig(Strict):
     eval: EvalSettings = Field(default_factory=EvalSettings)
     clock: ClockSettings = Field(default_factory=ClockSettings)
     network: NetworkSettings = Field(default_factory=NetworkSettings)
+    simulation: SimulationSettings = Field(default_factory=SimulationSettings)
     export: list[Literal["onnx", "tflite", "int8"]] = Field(
         default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
     )

@@ -28,6 +28,7 @@ runs blocking over MQTT (:meth:`run`) and stepped by the simulation's in-memory 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,9 @@ class DeviceLoop:
         self.resumed_from: int | None = None  # the round whose saved state this loop continued from
         self._saved: tuple[int, str | None, dict[str, torch.Tensor], bytes] | None = None  # loaded, not yet applied
         self.run_id: str | None = None  # the server's run id (info.run), once a message named it
+        #: set by a simulation that trains several devices' downloads together: called with a
+        #: download; True means it took it and will call :meth:`complete` with the trained upload
+        self.fit_later: Callable[[DeviceLoop, Envelope], bool] | None = None
 
     def restore(self) -> int | None:
         """Load the saved state, when there is one (returns its round; None: none). It is applied
@@ -171,7 +175,7 @@ class DeviceLoop:
         self.finished = True
 
     # --- acting ---------------------------------------------------------------------------------
-    def _downlink(self, env: Envelope) -> Message | None:
+    def downlink(self, env: Envelope) -> Message | None:
         return decode(env.body, self.net.max_message_bytes) if env.codec == "safetensors" else None
 
     def _serve(self, env: Envelope) -> None:
@@ -182,18 +186,29 @@ class DeviceLoop:
         if r in self.served:  # trained already: the same upload, same id (a duplicate is harmless)
             self._send(self.served[r])
             return
-        upload = self.served[r] = self.train(env)
+        if self.fit_later is not None and self.fit_later(self, env):
+            return  # the simulation trains this download with others, then calls complete()
+        self.complete(env, self.fit(env))
+
+    def fit(self, env: Envelope) -> Message:
+        """Run the client half on one download: what it shares."""
+        message = self.client.fit(self.downlink(env), env.round)
+        if message is None:  # a client half with nothing to share still reports that it trained
+            message = self.client.reply("status", env.round, {})
+        return message
+
+    def complete(self, env: Envelope, message: Message) -> None:
+        """Answer a download with what training it made: keep the upload, save, send."""
+        r = env.round
+        upload = self.served[r] = self.package(env, message)
         for old in [k for k in self.served if k < r - 1]:
             del self.served[old]
         if self.state is not None:  # before sending: a crash after the send resends this very upload
             self.state.save(r, self.run_id, self.client.carry_state(), pack(upload))
         self._send(upload)
 
-    def train(self, env: Envelope) -> Envelope:
-        """Run the client half on one download; the upload answering it."""
-        message = self.client.fit(self._downlink(env), env.round)
-        if message is None:  # a client half with nothing to share still reports that it trained
-            message = self.client.reply("status", env.round, {})
+    def package(self, env: Envelope, message: Message) -> Envelope:
+        """The upload answering ``env``: ``message`` (with the accuracy when asked), encoded."""
         if env.extra.get("info", {}).get("evaluate") and self.client.judged:
             # a new message: what the client half returned stays as it made it
             message = Message(message.kind, message.round, message.sender, message.tensors,
@@ -210,7 +225,7 @@ class DeviceLoop:
         if env.message_id in self.handled:
             return
         self.handled.add(env.message_id)
-        self.client.receive(self._downlink(env))
+        self.client.receive(self.downlink(env))
         meta = {"num_samples": self.client.num_test_samples(self.y_test), "eval_accuracy": self._accuracy()}
         message = Message("evaluation", env.round, self.device, {}, meta)
         self._send(Envelope("upload", self.federation, env.round, self.device, encode(message), message.message_id,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from edgefl.build import DeviceSlot, RunParts, partition_record
+from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset, class_counts
 from edgefl.environment import machine, package_versions
@@ -82,6 +83,7 @@ class RunSession:
             "dataset": {"name": ds.name, "source": ds.source, "files": list(ds.files), "train": len(ds.y_train),
                         "test_used": len(self.parts.y_test)},
             "versions": package_versions(), "machine": machine(), "deadline_s": self.orchestrator.deadline_s,
+            "compute_device": str(resolve_device(cfg.device)),  # where this process's halves compute
             "device_profiles": {s.profile.id: s.profile.to_dict() for s in self.parts.slots if s.profile is not None},
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts,
         }
@@ -198,7 +200,7 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
         raise ConfigError(f"{cfg.method.name} is one-shot: a run has exactly one round (rounds = {cfg.rounds})", hint="set rounds = 1")
     return method.server_class()(
         infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape,
-        dataset=ds.name,
+        dataset=ds.name, device=cfg.device,
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from edgefl.algorithms.batched import BatchPlan
 from edgefl.algorithms.training import TrainStats, evaluate_accuracy, train_local
 from edgefl.config import TrainSettings
 from edgefl.data.views import View
@@ -77,6 +78,15 @@ class ClientHalf(ABC):
         return True
 
     @property
+    def device(self) -> torch.device:
+        """Where this client half computes (the run's ``device``): its data and model live there."""
+        return self.setup.x.device
+
+    def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A downloaded tensor (decoded on the CPU) where the model computes."""
+        return tensor.to(self.device)
+
+    @property
     def client_id(self) -> str:
         return self.setup.client_id
 
@@ -93,9 +103,13 @@ class ClientHalf(ABC):
             return len(self.setup.y_test)
         return 0 if y_shared is None else len(y_shared)
 
+    def dropout_seed(self, round_no: int) -> int:
+        """The global RNG's seed for this round's training (dropout masks)."""
+        return derive_seed(self.setup.seed, "client-rng", self.client_id, round_no)
+
     def round_generator(self, round_no: int) -> torch.Generator:
         """Seeds this round's batch order and the global RNG (dropout) from (seed, client, round)."""
-        torch.manual_seed(derive_seed(self.setup.seed, "client-rng", self.client_id, round_no))
+        torch.manual_seed(self.dropout_seed(round_no))
         return generator(self.setup.seed, "client-order", self.client_id, round_no)
 
     def record(self, stats: TrainStats) -> None:
@@ -121,7 +135,8 @@ class ClientHalf(ABC):
         """The upload answering a round: detached copies of ``tensors`` (a state dict may be
         passed as is) and the metadata every upload carries (sample count, architecture, loss)
         plus ``meta``."""
-        copies = {name: t.detach().clone() for name, t in tensors.items()}
+        # copies on the CPU: the codec writes host memory, and the model trains on
+        copies = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
         return Message(kind, round_no, self.client_id, copies, {**self.base_meta(round_no), **meta})
 
     def carry_state(self) -> dict[str, torch.Tensor]:
@@ -141,14 +156,20 @@ class ClientHalf(ABC):
         self.model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
         for attr in self.carried:
             if attr in tensors:
-                setattr(self, attr, tensors[attr])
+                setattr(self, attr, self.on_device(tensors[attr]))
             else:
                 prefix = f"{attr}."
-                found = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+                found = {k.removeprefix(prefix): self.on_device(v) for k, v in tensors.items() if k.startswith(prefix)}
                 setattr(self, attr, found or None)
 
     def receive(self, downlink: Message | None) -> None:  # noqa: B027  (optional hook: most methods send nothing to apply)
         """Apply what the server sent without training (before evaluation or before :meth:`fit`)."""
+
+    def batch_plan(self, downlink: Message | None, round_no: int) -> BatchPlan | None:
+        """This round's training as a part of one batched computation with the other clients of
+        its architecture (:mod:`edgefl.algorithms.batched`), or None: this method trains one
+        client at a time. It may apply ``downlink`` (as :meth:`fit` would again)."""
+        return None
 
     @abstractmethod
     def fit(self, downlink: Message | None, round_no: int) -> Message:

@@ -72,7 +72,7 @@ class CHFLClient(ClientHalf):
 
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "head" and downlink.tensors:
-            self.global_head = {k: v.float() for k, v in downlink.tensors.items()}
+            self.global_head = {k: self.on_device(v.float()) for k, v in downlink.tensors.items()}
 
     @torch.no_grad()
     def _teacher_logits(self) -> torch.Tensor:

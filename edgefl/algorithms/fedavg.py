@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from torch.nn import functional as F
 
+import torch
+
 from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.batched import BatchPlan
 from edgefl.errors import PayloadError
 from edgefl.messages import Message
 
@@ -39,3 +42,13 @@ class FedAvgClient(ClientHalf):
         self.receive(downlink)
         self.train_locally(round_no, lambda xb, yb: F.cross_entropy(self.model(xb), yb))
         return self.reply("weights", round_no, self.model.state_dict())
+
+    def batch_plan(self, downlink: Message | None, round_no: int) -> BatchPlan:
+        self.receive(downlink)
+        return BatchPlan(("fedavg",), self.round_generator(round_no), self.dropout_seed(round_no), cross_entropy_loss,
+                         lambda: self.reply("weights", round_no, self.model.state_dict()))
+
+
+def cross_entropy_loss(model, params, xb: torch.Tensor, yb: torch.Tensor, consts, extras) -> tuple[torch.Tensor, dict]:
+    """The batched form of plain local training's loss."""
+    return F.cross_entropy(model(xb), yb), {}

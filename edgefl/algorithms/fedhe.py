@@ -18,6 +18,7 @@ from pydantic import Field
 from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.batched import BatchPlan
 from edgefl.messages import Message
 
 
@@ -38,6 +39,11 @@ def logit_loss(logits: torch.Tensor, teacher: torch.Tensor, has_teacher: torch.T
     """Per-batch logit loss: mean over the batch of each sample's loss, zero where no teacher."""
     if not bool(has_teacher.any()):
         return logits.new_zeros(())
+    return masked_logit_loss(logits, teacher, has_teacher, kind, temperature)
+
+
+def masked_logit_loss(logits: torch.Tensor, teacher: torch.Tensor, has_teacher: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
+    """:func:`logit_loss` without its shortcut (the same value; no branch on data, so vmap runs it)."""
     if kind == "mse":
         per_sample = ((logits - teacher) ** 2).mean(dim=1)
     else:
@@ -59,9 +65,9 @@ def fedhe_loss(
 class LogitCollector:
     """Per-class sums and counts of the logits produced during training (paper Eq. 7-8)."""
 
-    def __init__(self, num_classes: int) -> None:
-        self.sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
-        self.counts = torch.zeros(num_classes, dtype=torch.int64)
+    def __init__(self, num_classes: int, device: torch.device | str = "cpu") -> None:
+        self.sums = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(num_classes, dtype=torch.int64, device=device)
 
     def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
         self.sums.index_add_(0, y, logits.detach().to(torch.float64))
@@ -84,15 +90,15 @@ class FedHeClient(ClientHalf):
 
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "class_logits" and "logits" in downlink.tensors:
-            self.server_logits = downlink.tensors["logits"].float()
-            self.server_mask = downlink.tensors["mask"].bool()
+            self.server_logits = self.on_device(downlink.tensors["logits"].float())
+            self.server_mask = self.on_device(downlink.tensors["mask"].bool())
 
     def fit(self, downlink: Message | None, round_no: int) -> Message:
         self.receive(downlink)
         opts: FedHeOptions = self.options  # type: ignore[assignment]
         distill = round_no > opts.warmup_rounds and self.server_logits is not None
         teacher, mask = (self.server_logits, self.server_mask) if distill else (None, None)
-        collector = LogitCollector(self.setup.num_classes)
+        collector = LogitCollector(self.setup.num_classes, self.device)
 
         def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             logits = self.model(xb)
@@ -100,5 +106,25 @@ class FedHeClient(ClientHalf):
             return fedhe_loss(logits, yb, teacher, mask, opts)
 
         self.train_locally(round_no, loss_fn)
+        return self._upload(collector, round_no)
+
+    def _upload(self, collector: LogitCollector, round_no: int) -> Message:
         classes, avg, counts = collector.averages()
         return self.reply("class_logits", round_no, {"logits": avg, "classes": classes, "counts": counts})
+
+    def batch_plan(self, downlink: Message | None, round_no: int) -> BatchPlan:
+        self.receive(downlink)
+        opts: FedHeOptions = self.options  # type: ignore[assignment]
+        distill = round_no > opts.warmup_rounds and self.server_logits is not None and opts.alpha != 0
+        collector = LogitCollector(self.setup.num_classes, self.device)
+        consts = {"teacher": self.server_logits, "has": self.server_mask.to(self.server_logits.dtype)} if distill else {}
+
+        def loss(model, params, xb, yb, c, extras):
+            logits = model(xb)
+            ce = F.cross_entropy(logits, yb)
+            if not distill:
+                return ce, {"logits": logits}
+            return ce + opts.alpha * masked_logit_loss(logits, c["teacher"][yb], c["has"][yb], opts.logit_loss, opts.temperature), {"logits": logits}
+
+        return BatchPlan(("fedhe", distill, opts.model_dump_json()), self.round_generator(round_no), self.dropout_seed(round_no), loss,
+                         lambda: self._upload(collector, round_no), consts, on_step=lambda aux, yb: collector.add(aux["logits"], yb))

@@ -38,9 +38,12 @@ from typing import Literal
 import torch
 from pydantic import Field
 from torch import nn
+from torch.func import grad
 from torch.nn import functional as F
+from torch.nn.utils.stateless import _reparametrize_module
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.batched import BatchPlan
 from edgefl.algorithms.fedavg import load_weights
 from edgefl.algorithms.training import make_optimizer
 from edgefl.errors import PayloadError
@@ -91,7 +94,7 @@ def alleviate(g_local: torch.Tensor, g_in: torch.Tensor, mode: str, lam: float =
 
 def proximal_term(model: nn.Module, anchor: dict[str, torch.Tensor], mu_half: float) -> torch.Tensor:
     """``(mu/2) * ||w - w_anchor||^2`` over the trainable parameters; its gradient is ``mu (w - w_anchor)``."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=next(model.parameters()).device)
     for name, p in model.named_parameters():
         total = total + (p - anchor[name]).pow(2).sum()
     return mu_half * total
@@ -138,6 +141,7 @@ class FedINClient(ClientHalf):
         s_in = s_out = None
         if downlink is not None and opts.in_training:
             _, s_in, s_out = split_pairs(downlink.tensors)
+            s_in, s_out = (None, None) if s_in is None or s_out is None else (self.on_device(s_in), self.on_device(s_out))
         model = self.model
         anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
         inter = [p for p in model.intermediate.parameters() if p.requires_grad]
@@ -175,11 +179,56 @@ class FedINClient(ClientHalf):
                 in_opt.step()
 
         self.train_locally(round_no, local_loss, generator=gen, after_backward=after_backward, after_step=after_step)
-        tensors = dict(model.state_dict())
-        if opts.in_training:  # without IN training (FedAvg/FedProx) nobody uses pairs: do not send them
+        return self._upload(round_no, gen)
+
+    def _upload(self, round_no: int, gen: torch.Generator) -> Message:
+        tensors = dict(self.model.state_dict())
+        if self.options.in_training:  # without IN training (FedAvg/FedProx) nobody uses pairs: do not send them
             pair_in, pair_out = self.feature_pairs(gen)
             tensors[PAIRS_PREFIX + "s_in"], tensors[PAIRS_PREFIX + "s_out"] = pair_in, pair_out
         return self.reply("weights", round_no, tensors)
+
+    def batch_plan(self, downlink: Message | None, round_no: int) -> BatchPlan | None:
+        opts = self.options
+        s_in = s_out = None
+        if downlink is not None and opts.in_training:
+            _, s_in, s_out = split_pairs(downlink.tensors)
+        if s_in is not None and opts.alleviation == "none":
+            return None  # "w/o Opt" takes a second optimizer's step after each local one
+        if s_in is not None and any(type(m) is nn.Dropout and m.p > 0 for m in self.model.intermediate.modules()):
+            return None  # the IN forward would draw dropout masks between the local ones
+        self.receive(downlink)
+        gen = self.round_generator(round_no)
+        consts = {f"anchor.{n}": p.detach().clone() for n, p in self.model.named_parameters()} if opts.mu_half > 0 else {}
+        if s_in is not None:
+            consts.update(s_in=self.on_device(s_in), s_out=self.on_device(s_out))
+        inter = [f"intermediate.{n}" for n, p in self.model.intermediate.named_parameters() if p.requires_grad]
+
+        def loss(model, params, xb, yb, c, e):
+            value = F.cross_entropy(model(xb), yb)
+            if opts.mu_half > 0:
+                value = value + opts.mu_half * sum(((params[n] - c[f"anchor.{n}"]) ** 2).sum() for n in params)
+            return value, {}
+
+        def adjust(model, params, buffers, grads, c):  # Eq. 13 / 14 on the intermediate layers, per client
+            def in_loss(q):
+                kept = {k: v.clone() for k, v in buffers.items()}  # the IN forward must not move this device's statistics
+                with _reparametrize_module(model, {**params, **q, **kept}):
+                    return F.mse_loss(model.intermediate(c["s_in"]), c["s_out"])
+
+            g_in = grad(in_loss)({n: params[n] for n in inter})
+            if opts.alleviation == "simplified":
+                z = {n: g_in[n] + (opts.lam / 2.0) * grads[n] for n in inter}
+            else:  # projection: G_local + Eq. 13's Z, with the inner products over all intermediate parameters
+                b = sum((grads[n] * g_in[n]).sum() for n in inter)
+                a = sum((grads[n] * grads[n]).sum() for n in inter)
+                keep = (b >= 0) | (a == 0)
+                z = {n: grads[n] + torch.where(keep, g_in[n], g_in[n] - (b / torch.where(a == 0, 1.0, a)) * grads[n]) for n in inter}
+            return {**grads, **z}
+
+        key = ("fedin", s_in is not None, None if s_in is None else (tuple(s_in.shape), tuple(s_out.shape)), opts.model_dump_json())
+        return BatchPlan(key, gen, self.dropout_seed(round_no), loss, lambda: self._upload(round_no, gen), consts,
+                         adjust=adjust if s_in is not None else None)
 
     @torch.no_grad()
     def feature_pairs(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

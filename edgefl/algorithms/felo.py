@@ -32,6 +32,7 @@ from pydantic import Field
 from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
+from edgefl.algorithms.batched import BatchPlan
 from edgefl.algorithms.fedavg import load_weights
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
@@ -66,9 +67,18 @@ def felo_loss(
     ce = F.cross_entropy(logits, y)
     if server_feats is None or options.alpha == 0:
         return ce
-    has = mask[y].to(logits.dtype)
-    if not bool(has.any()):
+    if not bool(mask[y].any()):
         return ce
+    return ce + options.alpha * knowledge_terms(logits, feats, y, server_feats, server_logits, mask, options, pick)
+
+
+def knowledge_terms(
+    logits: torch.Tensor, feats: torch.Tensor, y: torch.Tensor, server_feats: torch.Tensor, server_logits: torch.Tensor,
+    mask: torch.Tensor, options: FeloOptions, pick: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The feature and logit terms of Eq. 1 (before alpha), zero for samples of classes the server
+    does not know; no branch on data, so the batched step (vmap) runs it too."""
+    has = mask[y].to(logits.dtype)
     idx = torch.zeros_like(y) if pick is None else pick
     target_f = server_feats[y, idx]
     mse = ((feats - target_f) ** 2).mean(1)
@@ -78,16 +88,16 @@ def felo_loss(
     else:
         t = options.temperature
         logit_term = F.kl_div(F.log_softmax(logits / t, 1), F.softmax(teacher / t, 1), reduction="none").sum(1) * t * t
-    return ce + options.alpha * ((mse + logit_term) * has).sum() / len(y)
+    return ((mse + logit_term) * has).sum() / len(y)
 
 
 class KnowledgeCollector:
     """Per-class sums of mid-level features and logits over the samples trained on."""
 
-    def __init__(self, num_classes: int, feature_dim: int) -> None:
-        self.feat_sums = torch.zeros(num_classes, feature_dim, dtype=torch.float64)
-        self.logit_sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
-        self.counts = torch.zeros(num_classes, dtype=torch.int64)
+    def __init__(self, num_classes: int, feature_dim: int, device: torch.device | str = "cpu") -> None:
+        self.feat_sums = torch.zeros(num_classes, feature_dim, dtype=torch.float64, device=device)
+        self.logit_sums = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(num_classes, dtype=torch.int64, device=device)
 
     def add(self, feats: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
         self.feat_sums.index_add_(0, y, feats.detach().to(torch.float64))
@@ -127,15 +137,15 @@ class FeloClient(ClientHalf):
         t = downlink.tensors
         load_weights(self.model, {k: v for k, v in t.items() if not k.startswith(KNOWLEDGE)})
         if KNOWLEDGE + "features" in t:
-            self.server_feats = t[KNOWLEDGE + "features"].float()
-            self.server_logits = t[KNOWLEDGE + "logits"].float()
-            self.server_mask = t[KNOWLEDGE + "mask"].bool()
+            self.server_feats = self.on_device(t[KNOWLEDGE + "features"].float())
+            self.server_logits = self.on_device(t[KNOWLEDGE + "logits"].float())
+            self.server_mask = self.on_device(t[KNOWLEDGE + "mask"].bool())
 
     def fit(self, downlink: Message | None, round_no: int) -> Message:
         self.receive(downlink)
         opts: FeloOptions = self.options  # type: ignore[assignment]
         distill = round_no > warmup_rounds(opts, self.setup.total_rounds) and self.server_feats is not None
-        collector = KnowledgeCollector(self.setup.num_classes, opts.feature_dim)
+        collector = KnowledgeCollector(self.setup.num_classes, opts.feature_dim, self.device)
         gen = self.round_generator(round_no)
         n_synth = self.server_feats.shape[1] if distill else 1
 
@@ -144,8 +154,33 @@ class FeloClient(ClientHalf):
             collector.add(feats, logits, yb)
             if not distill:
                 return F.cross_entropy(logits, yb)
-            pick = torch.randint(0, n_synth, (len(yb),), generator=gen) if n_synth > 1 else None
+            pick = torch.randint(0, n_synth, (len(yb),), generator=gen).to(self.device) if n_synth > 1 else None
             return felo_loss(logits, feats, yb, self.server_feats, self.server_logits, self.server_mask, opts, pick)
 
         self.train_locally(round_no, loss_fn, generator=gen)
         return self.reply("class_features", round_no, {**self.model.state_dict(), **collector.means()})
+
+    def batch_plan(self, downlink: Message | None, round_no: int) -> BatchPlan:
+        self.receive(downlink)
+        opts: FeloOptions = self.options  # type: ignore[assignment]
+        distill = round_no > warmup_rounds(opts, self.setup.total_rounds) and self.server_feats is not None
+        terms = distill and opts.alpha != 0
+        collector = KnowledgeCollector(self.setup.num_classes, opts.feature_dim, self.device)
+        gen = self.round_generator(round_no)
+        n_synth = self.server_feats.shape[1] if distill else 1
+        consts = {"feats": self.server_feats, "logits": self.server_logits, "mask": self.server_mask} if terms else {}
+
+        def loss(model, params, xb, yb, c, e):
+            logits, feats = model.forward_with_features(xb)
+            ce = F.cross_entropy(logits, yb)
+            if not terms:
+                return ce, {"feats": feats, "logits": logits}
+            extra = knowledge_terms(logits, feats, yb, c["feats"], c["logits"], c["mask"], opts, e.get("pick"))
+            return ce + opts.alpha * extra, {"feats": feats, "logits": logits}
+
+        def step_extras(yb: torch.Tensor) -> dict[str, torch.Tensor]:  # Velo: one synthetic feature per sample, drawn as fit draws it
+            return {"pick": torch.randint(0, n_synth, (len(yb),), generator=gen).to(self.device)} if distill and n_synth > 1 else {}
+
+        return BatchPlan(("felo", distill, terms, n_synth, opts.model_dump_json()), gen, self.dropout_seed(round_no), loss,
+                         lambda: self.reply("class_features", round_no, {**self.model.state_dict(), **collector.means()}),
+                         consts, step_extras, on_step=lambda aux, yb: collector.add(aux["feats"], aux["logits"], yb))

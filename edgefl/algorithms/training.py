@@ -79,8 +79,10 @@ def evaluate_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_
     """Top-1 accuracy in eval mode."""
     was_training = model.training
     model.eval()
+    device = next(iter(model.parameters()), torch.empty(0)).device  # the shared test set stays on the CPU
     correct = 0
     for start in range(0, len(y), batch_size):
-        correct += int((model(x[start : start + batch_size]).argmax(1) == y[start : start + batch_size]).sum())
+        xb, yb = x[start : start + batch_size].to(device), y[start : start + batch_size].to(device)
+        correct += int((model(xb).argmax(1) == yb).sum())
     model.train(was_training)
     return correct / max(len(y), 1)

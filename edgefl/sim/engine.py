@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from edgefl.algorithms import ClientHalf
 from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federation_name
+from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
 from edgefl.device import DeviceLoop, WorkDone
@@ -24,6 +25,7 @@ from edgefl.heartbeat import Heartbeat
 from edgefl.report import human_bytes
 from edgefl.rundir import RunDir
 from edgefl.server.session import RunSession, model_meta, safe_name
+from edgefl.sim.batching import FitBatcher
 from edgefl.sim.network import InMemoryNetwork
 
 
@@ -54,15 +56,19 @@ class Simulation:
         self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
         self._advance: Callable[[], None] = lambda: None
         timed = {s.client_id for s in self.slots if s.profile is not None}
-        self.network = InMemoryNetwork(self._work_seconds, timed, on_work=lambda device, work: self._advance())
+        self.compute_device = resolve_device(cfg.device)
+        batch = cfg.simulation.batch_clients == "on" or (cfg.simulation.batch_clients == "auto" and self.compute_device.type == "cuda")
+        self.batcher = FitBatcher() if batch else None
+        self.network = InMemoryNetwork(self._work_seconds, timed, on_work=lambda device, work: self._advance(), batcher=self.batcher)
         federation = federation_name(cfg)
         for s in self.slots:
             loop = DeviceLoop(self.clients[s.client_id], self.network.endpoint(s.client_id), federation, cfg.network,
                               self.x_test, self.y_test, cfg.eval.batch_size)
             self.network.attach(loop)
         self._events: Callable[[str, dict[str, Any]], None] = lambda kind, info: None
+        facts = {"simulation": {"batch_clients": batch}}
         self.session = RunSession(self.parts, self.network, federation, runner="simulation", run_dir=run_dir,
-                                  deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info))
+                                  deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info), start_facts=facts)
         self.server = self.session.server
         self._joined = False
 

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 
 from edgefl.device import DeviceLoop, WorkDone
+from edgefl.sim.batching import FitBatcher
 from edgefl.transport.base import Delivery, DeviceTransport, ServerTransport
 
 WorkPricer = Callable[[str, WorkDone], "float | None"]
@@ -48,7 +49,7 @@ class InMemoryNetwork(ServerTransport):
     virtual_clock = True
 
     def __init__(self, work_seconds: WorkPricer | None = None, timed: set[str] | frozenset[str] = frozenset(),
-                 on_work: Callable[[str, WorkDone], None] | None = None) -> None:
+                 on_work: Callable[[str, WorkDone], None] | None = None, batcher: FitBatcher | None = None) -> None:
         """``work_seconds(device, work)``: virtual seconds of one download's work for the devices
         in ``timed`` (None: the device's speed is unknown); ``on_work``: called after each
         device's training (progress display)."""
@@ -56,6 +57,7 @@ class InMemoryNetwork(ServerTransport):
         self.work_seconds = work_seconds
         self.timed = set(timed)
         self.on_work = on_work
+        self.batcher = batcher  # trains a pass's downloads together (simulation.batch_clients)
         self.loops: dict[str, DeviceLoop] = {}
         self._inbox: dict[str, deque[Delivery]] = {}
         self._runnable: deque[str] = deque()
@@ -72,6 +74,8 @@ class InMemoryNetwork(ServerTransport):
     def attach(self, loop: DeviceLoop) -> None:
         """Add a device; it comes online now."""
         self.loops[loop.device] = loop
+        if self.batcher is not None:
+            loop.fit_later = self.batcher.take
         self._inbox[loop.device] = deque()
         self._push(self.clock, Delivery("presence", loop.device, online=True))
 
@@ -107,28 +111,58 @@ class InMemoryNetwork(ServerTransport):
 
     # --- the devices -----------------------------------------------------------------------------
     def _run_devices(self) -> None:
+        """Hand every pending delivery to its device, in the order sent. With a batcher, the
+        downloads of one pass are trained together after the pass (a device's later deliveries
+        wait for its training); what the devices send reaches the server in delivery order
+        either way, so the server sees the same sequence as one device after another."""
         while self._runnable:
-            device = self._runnable.popleft()
-            box = self._inbox[device]
-            if not box:
-                continue
-            item = box.popleft()
-            loop = self.loops[device]
-            start = max(self.clock, self._busy_until.get(device, 0.0))
-            self._device_now = start
-            self._outbox = []
-            loop.last_work = None
-            loop.handle(item)
-            sent, self._outbox = self._outbox, []
-            work, done, facts = loop.last_work, start, {}
-            if work is not None:
-                if device in self.timed and self.work_seconds is not None:
-                    seconds = self.work_seconds(device, work)
-                    facts = {"work_s": seconds}
-                    done = start + (seconds or 0.0)
-                    self._in_flight[device] = (work.round, seconds, done)
-                if self.on_work is not None:
-                    self.on_work(device, work)
-            self._busy_until[device] = done
-            for data in sent:
-                self._push(done, Delivery("message", device, data, facts=facts))
+            done: list[tuple[str, float, list[bytes], WorkDone | None] | None] = []
+            training: dict[str, tuple[int, float]] = {}  # device -> (its entry in done, start)
+            held: list[str] = []
+            while self._runnable:
+                device = self._runnable.popleft()
+                if device in training:
+                    held.append(device)
+                    continue
+                box = self._inbox[device]
+                if not box:
+                    continue
+                item = box.popleft()
+                start = max(self.clock, self._busy_until.get(device, 0.0))
+                loop = self.loops[device]
+                self._device_now = start
+                self._outbox = []
+                loop.last_work = None
+                loop.handle(item)
+                if self.batcher is not None and self.batcher.holds(device):
+                    training[device] = (len(done), start)
+                    done.append(None)
+                    continue
+                done.append(self._settle(device, start, loop.last_work))
+            if self.batcher is not None and training:
+                for loop, env, message in self.batcher.run():
+                    entry, start = training[loop.device]
+                    self._device_now = start
+                    self._outbox = []
+                    loop.last_work = None
+                    loop.complete(env, message)
+                    done[entry] = self._settle(loop.device, start, loop.last_work)
+            for device, done_at, sent, facts in (d for d in done if d is not None):
+                for data in sent:
+                    self._push(done_at, Delivery("message", device, data, facts=facts))
+            self._runnable.extend(held)
+
+    def _settle(self, device: str, start: float, work: WorkDone | None) -> tuple[str, float, list[bytes], dict]:
+        """When the device's work on one delivery ends (virtual clock) and what it sent."""
+        sent, self._outbox = self._outbox, []
+        done, facts = start, {}
+        if work is not None:
+            if device in self.timed and self.work_seconds is not None:
+                seconds = self.work_seconds(device, work)
+                facts = {"work_s": seconds}
+                done = start + (seconds or 0.0)
+                self._in_flight[device] = (work.round, seconds, done)
+            if self.on_work is not None:
+                self.on_work(device, work)
+        self._busy_until[device] = done
+        return device, done, sent, facts

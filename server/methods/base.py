@@ -71,7 +71,7 @@ class ServerHalf(ABC):
     not here. docs/adding-a-method.md walks through one."""
 
     #: attributes rebuilt from the config when a saved state is restored (never saved)
-    config_attributes: ClassVar[frozenset[str]] = frozenset({"clients", "options", "seed", "num_classes", "input_shape", "dataset"})
+    config_attributes: ClassVar[frozenset[str]] = frozenset({"clients", "options", "seed", "num_classes", "input_shape", "dataset", "device"})
 
     def __init__(
         self,
@@ -82,8 +82,10 @@ class ServerHalf(ABC):
         num_classes: int,
         input_shape: tuple[int, ...],
         dataset: str = "",
+        device: str = "auto",
     ) -> None:
         self.clients = {c.client_id: c for c in clients}
+        self.device = device  # the run's device setting: where heavy server work (fusion, CVAE training) runs
         self.dataset = dataset  # its name: methods with per-dataset defaults (FedMHO) look it up
         self.options = options
         self.seed = seed

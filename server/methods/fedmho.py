@@ -159,7 +159,7 @@ class FedMHOServer(_OneShotGenerativeServer):
         t0 = time.perf_counter()
         opts = self.options
         epochs, lr = global_training(opts, self.dataset)
-        device = pick_device(opts.device)
+        device = pick_device(opts.device if "device" in opts.model_fields_set else self.device)
         classifier_senders = sorted(s for s in self.pending if self.kind_of[s] == "classifier")
         generator_senders = [s for s in self.pending if self.kind_of[s] == "generator"]
         if not classifier_senders:
@@ -240,7 +240,7 @@ class FedCVAEServer(_OneShotGenerativeServer):
         t0 = time.perf_counter()
         opts = self.options
         epochs, lr = global_training(opts, self.dataset)
-        device = pick_device(opts.device)
+        device = pick_device(opts.device if "device" in opts.model_fields_set else self.device)
         if not self.pending:
             return {"fused": False, "reason": "no decoder reported"}
         x, y, record = self._synthesise(proportional_plan, round_no, device)

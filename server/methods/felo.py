@@ -30,6 +30,7 @@ from edgefl.messages import Message
 from edgefl.seeding import derive_seed, generator
 from edgefl.server.methods.base import Receipt, ServerHalf
 from edgefl.server.methods.fedavg import weighted_average
+from edgefl.compute import resolve_device
 from edgefl.server.methods.feature_cvae import FeatureCVAE, train_feature_cvae
 
 
@@ -149,7 +150,8 @@ class VeloServer(FeloServer):
             s = torch.stack([i.feature for items in self.store for i in items])
             y = torch.tensor([c for c, items in enumerate(self.store) for _ in items])
             torch.manual_seed(derive_seed(self.seed, "velo-cvae-train", round_no))  # the reparameterisation noise
-            info["cvae"] = train_feature_cvae(self.cvae, s, y, opts.cvae_epochs, opts.cvae_lr, generator(self.seed, "velo-order", round_no))
+            info["cvae"] = train_feature_cvae(self.cvae, s, y, opts.cvae_epochs, opts.cvae_lr, generator(self.seed, "velo-order", round_no),
+                                              device=str(resolve_device(self.device)))
             self.trained_rounds += 1
         known = torch.nonzero(mask).flatten()
         synthetic = torch.zeros(self.num_classes, opts.synthetic_per_class, opts.feature_dim)

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from edgefl.compute import resolve_device
+
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """KL(p_teacher || p_student) averaged over the batch (temperature 1, as in the paper)."""
@@ -92,9 +94,5 @@ def train_on_synthetic(
 
 
 def pick_device(choice: str) -> torch.device:
-    """``auto``: CUDA when present, else the CPU; ``cuda`` without a GPU is an error that says so."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("server device 'cuda' asked for, but torch sees no CUDA device: use device = \"auto\" or \"cpu\"")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+    """The server half's device (``auto``: CUDA when present; :func:`edgefl.compute.resolve_device`)."""
+    return resolve_device(choice)

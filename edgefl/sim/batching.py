@@ -1,0 +1,77 @@
+"""The simulation's side of batched training: downloads that arrive together are trained together,
+one batched computation per architecture (:func:`edgefl.algorithms.batched.train_together`).
+
+The in-memory network hands every download of a pass to :meth:`FitBatcher.take` instead of
+letting each device train at once, then calls :meth:`FitBatcher.run`, which trains them (grouped
+where the method and model allow, one at a time otherwise) and returns each device's upload in
+the order the downloads came. Why a group could not be batched is logged once per run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from edgefl.algorithms.batched import NotBatchable, describe, train_together
+from edgefl.device import DeviceLoop
+from edgefl.messages import Message
+from edgefl.transport.envelope import Envelope
+
+log = logging.getLogger("edgefl.sim")
+
+
+class FitBatcher:
+    def __init__(self) -> None:
+        self.pending: list[tuple[DeviceLoop, Envelope]] = []
+        self.batched = 0  # clients trained as part of a batch (run.json / tests)
+        self.alone = 0  # clients trained one at a time
+        self._said: set[str] = set()
+        self._devices: set[str] = set()
+
+    def take(self, loop: DeviceLoop, env: Envelope) -> bool:
+        self.pending.append((loop, env))
+        self._devices.add(loop.device)
+        return True
+
+    def holds(self, device: str) -> bool:
+        return device in self._devices
+
+    def _once(self, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            log.warning("%s: these clients train one at a time", why)
+
+    def run(self) -> list[tuple[DeviceLoop, Envelope, Message]]:
+        """Train every pending download; (loop, download, upload) in the order they were taken."""
+        pending, self.pending = self.pending, []
+        self._devices = set()
+        done: dict[int, Message] = {}
+        groups: dict[tuple, list[tuple[int, object]]] = {}
+        for k, (loop, env) in enumerate(pending):
+            client = loop.client
+            plan = client.batch_plan(loop.downlink(env), env.round)
+            if plan is None:
+                self._once(f"{type(client).__name__} with these options has no batched form")
+                continue
+            shapes = tuple((name, tuple(t.shape)) for name, t in sorted(plan.consts.items()))
+            key = (type(client), client.setup.arch, describe(client.model), client.setup.train.model_dump_json(),
+                   json.dumps(plan.key, default=str), shapes, str(client.device))
+            groups.setdefault(key, []).append((k, plan))
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            clients = [pending[k][0].client for k, _ in members]
+            try:
+                uploads = train_together(clients, [plan for _, plan in members])
+            except NotBatchable as exc:
+                self._once(f"{clients[0].setup.arch}: {exc}")
+                continue
+            done.update({k: up for (k, _), up in zip(members, uploads)})
+            self.batched += len(members)
+        out = []
+        for k, (loop, env) in enumerate(pending):
+            if k not in done:  # one at a time (a group of one, or not batchable)
+                done[k] = loop.fit(env)
+                self.alone += 1
+            out.append((loop, env, done[k]))
+        return out
