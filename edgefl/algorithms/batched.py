@@ -255,7 +255,7 @@ def train_together(clients: list[ClientHalf], plans: list[BatchPlan]) -> list[Me
             for k, v in sub_b.items():  # batch-norm statistics the forward moved (in place, per client)
                 buffers[k][dev_rows] = v
             losses = loss.tolist()
-            for j, (i, idx, _) in enumerate(group):
+            for j, (i, _idx, _) in enumerate(group):
                 steps[i] += 1
                 samples[i] += size
                 loss_sum[i] += losses[j] * size
