@@ -239,24 +239,11 @@ class NetworkSettings(Strict):
 
 class SimulationSettings(Strict):
     """How ``edgefl simulate`` runs the devices' client halves (a fleet's devices run their own;
-    docs/simulation.md measures each choice)."""
+    docs/benchmarks.md section 15 measures the choice)."""
 
     batch_clients: Literal["auto", "on", "off"] = Field(
         "auto", description="train the selected clients of one architecture together as one batched computation "
                             "(torch.func.vmap); auto = on CUDA only (on a CPU it measured slower)")
-    workers: int | Literal["auto"] = Field(
-        1, description="worker processes the client halves are spread over (auto: one per core); 1 = in this process")
-    backend: Literal["local", "ray"] = Field("local", description="local processes, or Ray tasks (pip install 'edgefl[ray]')")
-    ray_address: str | None = Field(None, description='backend = "ray": the cluster to join (None: start a local one)')
-    cpus_per_client: float = Field(1.0, gt=0, le=256, description='backend = "ray": CPUs each worker actor asks for')
-    gpus_per_client: float = Field(0.0, ge=0, le=16, description='backend = "ray": GPU share each worker actor asks for')
-
-    @field_validator("workers")
-    @classmethod
-    def _some_workers(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 1024:
-            raise ValueError(f"workers must be between 1 and 1024 (or \"auto\"), got {value}")
-        return value
 
 
 class MethodSettings(BaseModel):
