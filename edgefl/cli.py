@@ -71,6 +71,12 @@ def _say_data(parts) -> None:
         err.print(f"  {path}", highlight=False)
 
 
+def _whole(text: str, option: str) -> str:
+    if not text.isdigit():
+        raise typer.BadParameter(f"{option} is a whole number or auto, not {text!r}")
+    return text
+
+
 @app.command()
 def simulate(
     config: Annotated[Optional[Path], typer.Argument(help="run config (TOML); omitted: the embedded preset")] = None,
@@ -81,8 +87,11 @@ def simulate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
     data_dir: DataDir = None,
     track: Track = None,
+    workers: Annotated[Optional[str], typer.Option("--workers", help="spread the devices over N processes or Ray actors (auto: one per core)")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="local (processes) or ray")] = None,
+    address: Annotated[Optional[str], typer.Option("--address", help="--backend ray: the cluster to join (default: start one here)")] = None,
 ) -> None:
-    """Run a federated training job in one process on a simulated fleet."""
+    """Run a federated training job on a simulated fleet (in this process, or spread over workers)."""
     from edgefl.build import build_run
     from edgefl.config import load_config
     from edgefl.report import accuracy_table, communication_table
@@ -92,7 +101,10 @@ def simulate(
     from edgefl.interrupt import StopRequest
     from edgefl.server.session import build_server
 
-    cfg = load_config(config, _cli_overrides(set_, data_dir, track), preset)
+    spread = [f"simulation.workers={workers if workers == 'auto' else _whole(workers, '--workers')}"] if workers else []
+    spread += [f'simulation.backend="{backend}"'] if backend else []
+    spread += [f'simulation.ray_address="{address}"'] if address else []
+    cfg = load_config(config, _cli_overrides(set_, data_dir, track) + spread, preset)
     parts = build_run(cfg)  # config, data and models checked before anything is written
     build_server(cfg, parts.ds, parts.slots)  # the method's own checks (a one-shot method's rounds...)
     if show_config:  # validated exactly as the run would be

@@ -10,6 +10,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -244,6 +245,26 @@ class SimulationSettings(Strict):
     batch_clients: Literal["auto", "on", "off"] = Field(
         "auto", description="train the selected clients of one architecture together as one batched computation "
                             "(torch.func.vmap); auto = on CUDA only (on a CPU it measured slower)")
+    workers: int | Literal["auto"] = Field(
+        1, description="processes the client halves are spread over (auto: one per core); 1 = all in this process. "
+                       "The numbers are those of one process when each worker has as many torch threads as it would")
+    backend: Literal["local", "ray"] = Field(
+        "local", description="local worker processes, or Ray actors (pip install 'edgefl[ray]'; workers = actors)")
+    ray_address: str | None = Field(None, description='backend = "ray": the cluster to join, e.g. "ray://head:10001" (None: start one here)')
+    ray_cpus: float = Field(1.0, gt=0, le=1024, description='backend = "ray": CPUs each actor asks for')
+    ray_gpus: float = Field(0.0, ge=0, le=64, description='backend = "ray": GPUs (a fraction shares one) each actor asks for')
+
+    @field_validator("workers")
+    @classmethod
+    def _some_workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 1024:
+            raise ValueError(f"workers must be between 1 and 1024 (or \"auto\"), got {value}")
+        return value
+
+    def worker_count(self, devices: int) -> int:
+        """How many hosts the devices are spread over (never more than there are devices)."""
+        wanted = (os.cpu_count() or 1) if self.workers == "auto" else self.workers
+        return max(1, min(wanted, devices))
 
 
 class MethodSettings(BaseModel):

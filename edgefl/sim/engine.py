@@ -8,6 +8,7 @@ counted are the bytes a fleet sends and the codec and the server's checks see ev
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from edgefl.report import human_bytes
 from edgefl.rundir import RunDir
 from edgefl.server.session import RunSession, model_meta, safe_name
 from edgefl.sim.batching import FitBatcher
+from edgefl.sim.hosts import Host, ProcessHost
 from edgefl.sim.network import InMemoryNetwork
 
 
@@ -61,12 +63,17 @@ class Simulation:
         self.batcher = FitBatcher() if batch else None
         self.network = InMemoryNetwork(self._work_seconds, timed, on_work=lambda device, work: self._advance(), batcher=self.batcher)
         federation = federation_name(cfg)
-        for s in self.slots:
+        self.hosts = start_hosts(cfg, [s.client_id for s in self.slots])
+        for i, s in enumerate(self.slots):
+            if self.hosts:  # round-robin: each host gets every k-th device
+                self.network.attach_remote(s.client_id, self.hosts[i % len(self.hosts)])
+                continue
             loop = DeviceLoop(self.clients[s.client_id], self.network.endpoint(s.client_id), federation, cfg.network,
                               self.x_test, self.y_test, cfg.eval.batch_size)
             self.network.attach(loop)
+        self._closer = weakref.finalize(self, close_hosts, list(self.hosts))
         self._events: Callable[[str, dict[str, Any]], None] = lambda kind, info: None
-        facts = {"simulation": {"batch_clients": batch}}
+        facts = {"simulation": {"batch_clients": batch, "backend": cfg.simulation.backend, "hosts": len(self.hosts)}}
         self.session = RunSession(self.parts, self.network, federation, runner="simulation", run_dir=run_dir,
                                   deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info), start_facts=facts)
         self.server = self.session.server
@@ -142,14 +149,28 @@ class Simulation:
             with progress, heartbeat:
                 summary = self.session.run(on_record=on_record, should_stop=should_stop)
         except KeyboardInterrupt:
+            self.fetch_client_states()
             if self.run_dir and not self.server.global_models():
                 self._save_client_models()
             raise
         finally:
             self._events = lambda kind, info: None
+        self.fetch_client_states()
         if self.run_dir and not self.server.global_models():
             self._save_client_models()
+        self.close()
         return summary
+
+    def fetch_client_states(self) -> None:
+        """Devices that trained in worker hosts: their models (and what their method carries)
+        into :attr:`clients` here, where the run's results are read and saved."""
+        for host in self.hosts:
+            for device, tensors in host.states().items():
+                self.clients[device].load_carry_state(tensors)
+
+    def close(self) -> None:
+        """Stop the worker hosts (a run ends with this; after ``run_round`` call it yourself)."""
+        self._closer()
 
     def _save_client_models(self) -> None:
         """Knowledge methods have no global model: each device's own model is the result."""
@@ -161,6 +182,27 @@ class Simulation:
                     "scope": "client", "client_id": cid, "input_shape": list(slot.input_shape(self.ds)),
                     "view": slot.group.view.model_dump(exclude_none=True) if slot.group.view else None}
             self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
+
+
+def start_hosts(cfg: RunConfig, devices: list[str]) -> list[Host]:
+    """The worker hosts ``simulation`` asks for (none: every device in this process)."""
+    sim = cfg.simulation
+    count = sim.worker_count(len(devices))
+    if sim.backend == "local" and count == 1:
+        return []
+    config = cfg.to_toml()
+    shares = [devices[k::count] for k in range(count)]
+    if sim.backend == "ray":
+        from edgefl.sim.ray_hosts import start_ray_hosts
+
+        return start_ray_hosts(sim, config, shares, cfg.threads)
+    threads = cfg.threads or max(1, torch.get_num_threads() // count)
+    return [ProcessHost(config, share, threads) for share in shares]
+
+
+def close_hosts(hosts: list[Host]) -> None:
+    for host in hosts:
+        host.close()
 
 
 def device_time(cfg: RunConfig, ds: Dataset, slot: DeviceSlot, samples: int, up_bytes: int, down_bytes: int) -> float | None:

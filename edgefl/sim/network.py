@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.sim.batching import FitBatcher
+from edgefl.sim.hosts import Host, Job
 from edgefl.transport.base import Delivery, DeviceTransport, ServerTransport
 
 WorkPricer = Callable[[str, WorkDone], "float | None"]
@@ -58,6 +59,7 @@ class InMemoryNetwork(ServerTransport):
         self.timed = set(timed)
         self.on_work = on_work
         self.batcher = batcher  # trains a pass's downloads together (simulation.batch_clients)
+        self.hosts: dict[str, Host] = {}  # devices whose loops run elsewhere (simulation.workers, Ray)
         self.loops: dict[str, DeviceLoop] = {}
         self._inbox: dict[str, deque[Delivery]] = {}
         self._runnable: deque[str] = deque()
@@ -70,6 +72,12 @@ class InMemoryNetwork(ServerTransport):
 
     def endpoint(self, device: str) -> DeviceTransport:
         return _Endpoint(self, device)
+
+    def attach_remote(self, device: str, host: Host) -> None:
+        """Add a device whose loop runs in ``host`` (a worker process or Ray actor); it comes online now."""
+        self.hosts[device] = host
+        self._inbox[device] = deque()
+        self._push(self.clock, Delivery("presence", device, online=True))
 
     def attach(self, loop: DeviceLoop) -> None:
         """Add a device; it comes online now."""
@@ -90,7 +98,7 @@ class InMemoryNetwork(ServerTransport):
             self._runnable.append(device)
 
     def announce(self, data: bytes) -> None:
-        for device in self.loops:
+        for device in self._inbox:
             self._inbox[device].append(Delivery("announcement", "server", data))
             self._runnable.append(device)
 
@@ -118,6 +126,7 @@ class InMemoryNetwork(ServerTransport):
         while self._runnable:
             done: list[tuple[str, float, list[bytes], WorkDone | None] | None] = []
             training: dict[str, tuple[int, float]] = {}  # device -> (its entry in done, start)
+            remote: dict[int, tuple[Host, list[Job]]] = {}  # per host: this pass's deliveries
             held: list[str] = []
             while self._runnable:
                 device = self._runnable.popleft()
@@ -129,6 +138,12 @@ class InMemoryNetwork(ServerTransport):
                     continue
                 item = box.popleft()
                 start = max(self.clock, self._busy_until.get(device, 0.0))
+                host = self.hosts.get(device)
+                if host is not None:  # stepped in its host after the pass, with the host's other devices
+                    remote.setdefault(id(host), (host, []))[1].append(Job(device, item, start))
+                    training[device] = (len(done), start)
+                    done.append(None)
+                    continue
                 loop = self.loops[device]
                 self._device_now = start
                 self._outbox = []
@@ -147,6 +162,12 @@ class InMemoryNetwork(ServerTransport):
                     loop.last_work = None
                     loop.complete(env, message)
                     done[entry] = self._settle(loop.device, start, loop.last_work)
+            for host, jobs in remote.values():  # every host works at once ...
+                host.submit(jobs)
+            for host, jobs in remote.values():  # ... and is heard in turn
+                for job, (sent, work) in zip(jobs, host.collect()):
+                    self._outbox = list(sent)
+                    done[training[job.device][0]] = self._settle(job.device, job.start, work)
             for device, done_at, sent, facts in (d for d in done if d is not None):
                 for data in sent:
                     self._push(done_at, Delivery("message", device, data, facts=facts))

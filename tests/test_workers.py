@@ -1,0 +1,123 @@
+"""Client halves spread over worker processes or Ray actors give the numbers of one process."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from edgefl.config import validate_config
+from edgefl.server.session import TIMING_FIELDS
+from edgefl.sim.engine import Simulation
+from edgefl.sim.hosts import check_reply, pack_frame, read_frame, serve, unpack_frame, write_frame
+from tests.conftest import method_config
+
+
+def _run(method: str, **simulation) -> Simulation:
+    raw = method_config(method, rounds=2)
+    raw["simulation"] = simulation
+    raw["threads"] = 1  # the same torch threads in the workers as here: kernels then sum in the same order
+    sim = Simulation(validate_config(raw), show_progress=False)
+    sim.run()
+    return sim
+
+
+def _numbers(sim: Simulation) -> list[dict]:
+    return [{k: v for k, v in record.items() if k not in TIMING_FIELDS} for record in sim.history]
+
+
+def _assert_identical(one: Simulation, other: Simulation) -> None:
+    assert _numbers(one) == _numbers(other)
+    for cid, client in one.clients.items():
+        for name, tensor in client.model.state_dict().items():
+            assert torch.equal(other.clients[cid].model.state_dict()[name], tensor), (cid, name)
+
+
+@pytest.mark.parametrize("method", ["fedhe", "fedin", "felo"])
+def test_worker_processes_give_the_numbers_of_one_process(method):
+    alone = _run(method)
+    spread = _run(method, workers=2)
+    assert len(spread.hosts) == 2 and all(h.proc.poll() is not None for h in spread.hosts)  # stopped at the end
+    _assert_identical(alone, spread)
+
+
+def test_workers_are_never_more_than_devices():
+    raw = method_config("fedavg")
+    raw["simulation"] = {"workers": 64}
+    assert validate_config(raw).simulation.worker_count(4) == 4
+    raw["simulation"] = {"workers": 0}
+    with pytest.raises(Exception, match="between 1 and 1024"):
+        validate_config(raw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    """A Ray head on loopback, started and stopped by the test (as `ray start` on a cluster's head)."""
+    ray = pytest.importorskip("ray")
+    from ray._private import ray_constants
+
+    # Ray swaps 127.0.0.1 for the machine's own address unless told this is a one-machine cluster:
+    # the head and this driver both stay on loopback
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    exe = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    port = _free_port()
+    # a loopback-only head for this test: no token authentication (a real cluster keeps it: docs/simulation.md)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0", "RAY_AUTH_MODE": "disabled"}
+    subprocess.run([exe, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        ray.shutdown()
+        subprocess.run([exe, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_ray_backend_gives_the_numbers_of_one_process(ray_cluster):
+    alone = _run("fedhe")
+    spread = _run("fedhe", backend="ray", ray_address=ray_cluster, workers=2, ray_cpus=1)
+    assert len(spread.hosts) == 2
+    _assert_identical(alone, spread)
+
+
+def test_a_host_failure_is_answered_with_its_reason_and_stops_the_run():
+    requests = io.BytesIO()
+    write_frame(requests, pack_frame({"op": "init", "devices": ["client-0"], "threads": 1},
+                                     [validate_config(method_config("fedhe")).to_toml().encode()]))
+    write_frame(requests, pack_frame({"op": "nonsense"}, []))
+    requests.seek(0)
+    replies = io.BytesIO()
+    serve(requests, replies)  # the worker process's loop: it answers, and keeps serving
+    replies.seek(0)
+    with pytest.raises(RuntimeError, match="a simulation worker failed: ValueError: unknown host request 'nonsense'"):
+        check_reply(read_frame(replies))
+
+
+def test_host_frames_refuse_what_does_not_add_up():
+    frame = pack_frame({"op": "step"}, [b"abc", b""])
+    assert unpack_frame(frame) == ({"op": "step"}, [b"abc", b""])
+    with pytest.raises(ValueError, match="holds"):
+        unpack_frame(frame + b"x")
+    buf = io.BytesIO()
+    write_frame(buf, b"hello")
+    buf.seek(0)
+    assert read_frame(buf) == b"hello" and read_frame(buf) is None
+    with pytest.raises(ValueError, match="announces"):
+        read_frame(io.BytesIO((1 << 40).to_bytes(8, "big")))
+
+
+def test_cli_workers_must_be_a_count(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "edgefl", "simulate", "--workers", "two", "--quiet", "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "whole number or auto" in res.stderr
