@@ -121,3 +121,23 @@ def test_cli_workers_must_be_a_count(tmp_path):
     res = subprocess.run([sys.executable, "-m", "edgefl", "simulate", "--workers", "two", "--quiet", "--out", str(tmp_path / "r")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "whole number or auto" in res.stderr
+
+
+def test_ray_actors_follow_device_classes_and_only_cuda_classes_ask_for_a_gpu():
+    from edgefl.build import build_run
+    from edgefl.sim.ray_hosts import class_shares
+
+    raw = method_config("fedavg")
+    raw["fleet"] = {"groups": [{"model": "mlp", "count": 6, "profile": "pi4-4gb", "options": {"hidden": [16]}},
+                               {"model": "mlp", "count": 2, "profile": "jetson-orin-nano", "options": {"hidden": [16]}}]}
+    slots = build_run(validate_config(raw)).slots
+    shares = class_shares(slots, 4)
+    by_class = {s.client_id: s.profile.id for s in slots}
+    assert sorted(len(devices) for devices, _ in shares) == [2, 2, 2, 2]  # 3 actors for 6 Pis, 1 for 2 Jetsons
+    for devices, gpu in shares:
+        assert len({by_class[d] for d in devices}) == 1  # one class per actor
+        assert gpu == (by_class[devices[0]] == "jetson-orin-nano")
+    assert sorted(d for devices, _ in shares for d in devices) == sorted(by_class)
+    raw.pop("fleet")
+    plain = build_run(validate_config(method_config("fedavg"))).slots
+    assert all(gpu for _, gpu in class_shares(plain, 2))  # no classes: ray_gpus applies to every actor

@@ -63,10 +63,11 @@ class Simulation:
         self.batcher = FitBatcher() if batch else None
         self.network = InMemoryNetwork(self._work_seconds, timed, on_work=lambda device, work: self._advance(), batcher=self.batcher)
         federation = federation_name(cfg)
-        self.hosts = start_hosts(cfg, [s.client_id for s in self.slots])
-        for i, s in enumerate(self.slots):
-            if self.hosts:  # round-robin: each host gets every k-th device
-                self.network.attach_remote(s.client_id, self.hosts[i % len(self.hosts)])
+        self.hosts = start_hosts(cfg, self.slots)
+        host_of = {device: host for host in self.hosts for device in host.devices}
+        for s in self.slots:
+            if s.client_id in host_of:
+                self.network.attach_remote(s.client_id, host_of[s.client_id])
                 continue
             loop = DeviceLoop(self.clients[s.client_id], self.network.endpoint(s.client_id), federation, cfg.network,
                               self.x_test, self.y_test, cfg.eval.batch_size)
@@ -184,18 +185,20 @@ class Simulation:
             self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
 
 
-def start_hosts(cfg: RunConfig, devices: list[str]) -> list[Host]:
-    """The worker hosts ``simulation`` asks for (none: every device in this process)."""
+def start_hosts(cfg: RunConfig, slots: list[DeviceSlot]) -> list[Host]:
+    """The worker hosts ``simulation`` asks for (none: every device in this process). Devices
+    are dealt round-robin; with Ray, each device class (profile) gets actors of its own."""
     sim = cfg.simulation
+    devices = [s.client_id for s in slots]
     count = sim.worker_count(len(devices))
     if sim.backend == "local" and count == 1:
         return []
     config = cfg.to_toml()
     shares = [devices[k::count] for k in range(count)]
     if sim.backend == "ray":
-        from edgefl.sim.ray_hosts import start_ray_hosts
+        from edgefl.sim.ray_hosts import class_shares, start_ray_hosts
 
-        return start_ray_hosts(sim, config, shares, cfg.threads)
+        return start_ray_hosts(sim, config, class_shares(slots, count), cfg.threads)
     threads = cfg.threads or max(1, torch.get_num_threads() // count)
     return [ProcessHost(config, share, threads) for share in shares]
 

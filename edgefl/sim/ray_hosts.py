@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from edgefl.build import DeviceSlot
 from edgefl.config import SimulationSettings
 from edgefl.device import WorkDone
 from edgefl.errors import ConfigError
@@ -59,7 +60,24 @@ class RayHost(Host):
             ray.kill(self.actor)
 
 
-def start_ray_hosts(sim: SimulationSettings, config_toml: str, shares: list[list[str]], threads: int | None) -> list[Host]:
+def class_shares(slots: list[DeviceSlot], actors: int) -> list[tuple[list[str], bool]]:
+    """Devices per actor, and whether its device class computes on CUDA: each device class
+    (profile; devices without one form one class) gets actors in proportion to its devices, at
+    least one, dealt round-robin within the class."""
+    classes: dict[str | None, list[DeviceSlot]] = {}
+    for s in slots:
+        classes.setdefault(s.profile.id if s.profile else None, []).append(s)
+    out = []
+    for members in classes.values():
+        k = max(1, min(len(members), round(actors * len(members) / len(slots))))
+        cuda = members[0].profile is not None and members[0].profile.accelerator.type == "cuda"
+        out += [([s.client_id for s in members[i::k]], cuda or members[0].profile is None) for i in range(k)]
+    return out
+
+
+def start_ray_hosts(sim: SimulationSettings, config_toml: str, shares: list[tuple[list[str], bool]], threads: int | None) -> list[Host]:
+    """One actor per share; a share whose device class has no CUDA accelerator asks for no GPU
+    (Ray then hides the GPUs from it, and ``device = "auto"`` trains it on the CPU)."""
     try:
         import ray
     except ImportError:
@@ -73,6 +91,7 @@ def start_ray_hosts(sim: SimulationSettings, config_toml: str, shares: list[list
                               hint="start it (ray start --head) or fix simulation.ray_address (unset: start one here); a cluster "
                                    "with token authentication (ray start's default) also needs RAY_AUTH_MODE=token and its token "
                                    "(~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
-    actor = ray.remote(num_cpus=sim.ray_cpus, num_gpus=sim.ray_gpus)(_HostActor)
+    actor = ray.remote(_HostActor)
     per_actor = threads or max(1, int(sim.ray_cpus))
-    return [RayHost(actor.remote(config_toml, share, per_actor), share) for share in shares]
+    return [RayHost(actor.options(num_cpus=sim.ray_cpus, num_gpus=sim.ray_gpus if gpu else 0).remote(config_toml, share, per_actor), share)
+            for share, gpu in shares]
