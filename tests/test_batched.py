@@ -120,3 +120,21 @@ def test_cuda_without_a_gpu_is_a_config_error_that_says_what_to_do():
     with pytest.raises(ConfigError, match="no CUDA device") as info:
         Simulation(validate_config(raw), show_progress=False)
     assert "auto" in (info.value.hint or "")
+
+
+def test_a_model_drawing_other_randomness_is_refused_before_any_client_changes():
+    from torch import nn
+
+    from edgefl.algorithms.batched import NotBatchable, train_together
+    from edgefl.build import build_run
+
+    cfg = validate_config(digits_config("fedavg", rounds=1))
+    parts = build_run(cfg)
+    clients = [parts.client(s.client_id) for s in parts.slots if s.model == "mlp"]
+    for c in clients:
+        c.model.noise = nn.Dropout2d(0.1)  # a random layer whose masks the batched step cannot redraw
+    before = [{k: v.clone() for k, v in c.model.state_dict().items()} for c in clients]
+    with pytest.raises(NotBatchable, match="Dropout2d"):
+        train_together(clients, [c.batch_plan(None, 1) for c in clients])
+    for c, state in zip(clients, before):
+        assert all(torch.equal(v, state[k]) for k, v in c.model.state_dict().items())

@@ -21,7 +21,6 @@ size, so no padding ever changes a batch-norm statistic.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,8 +37,6 @@ from edgefl.messages import Message
 
 if TYPE_CHECKING:
     from edgefl.algorithms.base import ClientHalf
-
-log = logging.getLogger("edgefl.batched")
 
 Tensors = dict[str, torch.Tensor]
 #: ``loss(model, params, xb, yb, consts, extras) -> (loss, aux)``: one client's batch loss, vmap-safe
