@@ -17,7 +17,7 @@ from tests.conftest import method_config
 
 #: what a run's files may differ in between runners: when and where it ran, not its numbers (the
 #: deadline is the transport's: clock.deadline_s in virtual seconds, network.round_deadline_s on MQTT)
-RUN_FACTS = {"runner", "started", "wall_time_s", "run_dir", "broker", "deadline_s"}
+RUN_FACTS = {"runner", "started", "wall_time_s", "run_dir", "broker", "deadline_s", "simulation"}  # how each runner ran
 
 
 def _config(method: str, rounds: int = 1) -> RunConfig:
