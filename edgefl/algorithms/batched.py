@@ -24,7 +24,7 @@ import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,8 +35,15 @@ from edgefl.algorithms.training import TrainStats
 from edgefl.config import TrainSettings
 from edgefl.messages import Message
 
-if TYPE_CHECKING:
-    from edgefl.algorithms.base import ClientHalf
+
+class Trainee(Protocol):
+    """What :func:`train_together` needs of a client half (``ClientHalf`` has it; named here
+    structurally because the client half's module imports this one)."""
+
+    model: nn.Module
+    setup: Any
+
+    def record(self, stats: TrainStats) -> None: ...
 
 Tensors = dict[str, torch.Tensor]
 #: ``loss(model, params, xb, yb, consts, extras) -> (loss, aux)``: one client's batch loss, vmap-safe
@@ -166,7 +173,7 @@ class _SGD:
             params[k][rows] = p - cfg.lr * g
 
 
-def train_together(clients: list[ClientHalf], plans: list[BatchPlan]) -> list[Message]:
+def train_together(clients: list[Trainee], plans: list[BatchPlan]) -> list[Message]:
     """Train ``clients`` (one architecture, one method, one training setting; their plans share a
     key) as one batched computation; returns their uploads in order. Raises NotBatchable before
     touching any client when the model cannot be batched."""
