@@ -267,6 +267,30 @@ class SimulationSettings(Strict):
         return max(1, min(wanted, devices))
 
 
+class AsyncSettings(Strict):
+    """``mode = "async"``: devices train whenever they are free and the server updates on their
+    reports (docs/methods.md, "Asynchronous runs"). ``rounds`` counts server updates."""
+
+    concurrency: int | None = Field(
+        None, ge=1, description="devices training at once (None: every online device); a free device is drawn with the seed")
+    aggregation: Literal["fedbuff", "fedasync"] = Field(
+        "fedbuff", description="weights: buffered (FedBuff: one update per buffer_size reports, staleness-discounted deltas) "
+                               "or FedAsync (each report mixed into the model at a staleness-discounted rate)")
+    buffer_size: int | None = Field(
+        None, ge=1, le=100_000, description="fedbuff: reports per server update (None: 1 for knowledge methods, which merge every "
+                                            "report, and min(10, devices // 2) for weight methods)")
+    server_lr: float = Field(1.0, gt=0, le=10, description="fedbuff: server learning rate on the mean discounted delta")
+    mixing: float = Field(0.6, gt=0, le=1, description="fedasync: the rate a fresh report is mixed in at (alpha)")
+    staleness_exponent: float = Field(
+        0.5, ge=0, le=10, description="a report s server updates old counts (1 + s) ** -exponent (0: no discount)")
+    staleness_bound: int | None = Field(
+        None, ge=0, description="reports started more than this many server updates ago are refused with the reason (None: no bound)")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="stop after this many seconds (virtual in a simulation), or after rounds updates, whichever is first")
+    eval_every_s: float | None = Field(
+        None, gt=0, description="evaluate every this many (virtual) seconds instead of every eval.every server updates")
+
+
 class MethodSettings(BaseModel):
     """``name`` picks the method; the other keys are that method's options, validated by it."""
 
@@ -280,7 +304,10 @@ class MethodSettings(BaseModel):
 class RunConfig(Strict):
     name: str = Field("run", description="names the run directory (runs/<time>-<name>-s<seed>) and, unless network.federation is set, the fleet's topics")
     seed: int = Field(0, description="every random draw (partition, initial weights, batch order, selection) derives from it")
-    rounds: int = Field(10, ge=1, description="federated rounds (one-shot methods: exactly 1)")
+    rounds: int = Field(10, ge=1, description="federated rounds (one-shot methods: exactly 1); with mode = \"async\", server updates")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: rounds with a selection and a deadline; async: devices train when free, the server updates on reports "
+                            "([asynchronous])")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: torch's default)")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where client halves train (simulated devices and `edgefl client`) and server halves fuse: "
@@ -293,6 +320,7 @@ class RunConfig(Strict):
     clock: ClockSettings = Field(default_factory=ClockSettings)
     network: NetworkSettings = Field(default_factory=NetworkSettings)
     simulation: SimulationSettings = Field(default_factory=SimulationSettings)
+    asynchronous: AsyncSettings = Field(default_factory=AsyncSettings)
     export: list[Literal["onnx", "tflite", "int8"]] = Field(
         default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
     )
@@ -310,6 +338,18 @@ class RunConfig(Strict):
                    else f"{self.fleet.num_clients} devices x sample_ratio {self.fleet.sample_ratio:g}")
             verb = "needs" if self.fleet.per_round is not None else "selects"
             raise ValueError(f"network.quorum = {int(q)} devices, but a round {verb} only {selected} ({how}): no round could close")
+        return self
+
+    @model_validator(mode="after")
+    def _async_fits(self) -> RunConfig:
+        if self.mode != "async":
+            if self.asynchronous != AsyncSettings():
+                raise ValueError('[asynchronous] settings apply to mode = "async"; set mode = "async" or drop them')
+            return self
+        if get_method(self.method.name).one_shot:
+            raise ValueError(f"{self.method.name} is one-shot (a single round): it has no asynchronous mode; drop mode = \"async\"")
+        if self.fleet.per_round is not None or self.fleet.sample_ratio != 1.0:
+            raise ValueError('mode = "async" selects no rounds: use asynchronous.concurrency instead of fleet.per_round / sample_ratio')
         return self
 
     def max_epochs(self) -> int:

@@ -33,6 +33,7 @@ from edgefl.errors import PayloadError
 from edgefl.messages import RUNNER_KINDS, Message, decode, encode
 from edgefl.methods import MethodSpec
 from edgefl.seeding import derive_seed
+from edgefl.server.asynchronous import AsyncLoop
 from edgefl.server.evaluation import Evaluator
 from edgefl.server.rejections import Rejections
 from edgefl.server.upload_checks import upload_problem
@@ -137,6 +138,8 @@ class Orchestrator:
         self._evaluation: dict[str, float] | None = None  # answers to evaluate requests, while collected
         self._asked: set[str] = set()  # devices sent an evaluate request that is being collected
         self._online_count = 0  # devices whose presence is online (kept with self.online: no scans per message)
+        self.async_loop: AsyncLoop | None = AsyncLoop(self) if cfg.mode == "async" else None
+        self.stopped_early = False  # should_stop ended the run before its end
 
     def connect(self, transport: ServerTransport) -> None:
         """Run over ``transport`` (a server that restores its state first connects afterwards)."""
@@ -156,6 +159,8 @@ class Orchestrator:
         self.transport.send(device, pack(env))
 
     def _model_version(self) -> int:
+        if self.async_loop is not None:
+            return self.async_loop.version
         return self.state.round if self.state else self.last_round
 
     def announce(self, round_no: int, info: dict[str, Any]) -> None:
@@ -233,6 +238,9 @@ class Orchestrator:
         if online != was:
             self._online_count += 1 if online else -1
             self.on_event("presence", {"device": device, "online": online})
+        if self.async_loop is not None:
+            self.async_loop.presence(device, online, was)
+            return
         st = self.state
         if st is not None and device in st.chosen and device not in st.reported:
             if online:
@@ -291,6 +299,9 @@ class Orchestrator:
             return
         if message.kind == "evaluation":
             self._evaluation_answer(device, env, message)
+            return
+        if self.async_loop is not None:
+            self.async_loop.upload(device, env, message, size, facts)
             return
         st = self.state
         current = st.round if st else self.last_round
@@ -378,7 +389,8 @@ class Orchestrator:
     def _count(self, device: str, reason: str) -> bool:
         """Count a refusal in the round's and the run's bounded summaries; True when it is to be
         logged in full (the first few of a round, then a sample)."""
-        loud = self.state.rejected.add(device, reason) if self.state is not None else True
+        bucket = self.state.rejected if self.state is not None else (self.async_loop.window.rejected if self.async_loop else None)
+        loud = bucket.add(device, reason) if bucket is not None else True
         self.rejections.add(device, reason)
         if loud:
             log.warning("rejected from %s: %s", device[:64], reason[:300])
@@ -433,7 +445,9 @@ class Orchestrator:
         now on) or the timeout passes; returns who is missing."""
         self.announce(self.last_round, {"selected": [], "deadline_unix": time.time(), "rounds": self.cfg.rounds, "done": False})
         end = self.transport.now() + timeout_s
-        while self.transport.now() < end and self._online_count < len(self.device_ids) and not should_stop():
+        # an asynchronous run starts with the first device: the others join when they come
+        enough = 1 if self.async_loop is not None else len(self.device_ids)
+        while self.transport.now() < end and self._online_count < enough and not should_stop():
             item = self.transport.receive(min(end - self.transport.now(), 0.5))
             if item is not None:
                 self.handle(item)
@@ -655,10 +669,19 @@ class Orchestrator:
             should_stop: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
         """Play rounds ``first_round`` .. ``cfg.rounds`` (``after_round``: called with each record,
         to write it and save the state), then announce that the run is done. ``should_stop`` is
-        asked between rounds: a stopped run is not announced as done (it can be resumed)."""
+        asked between rounds: a stopped run is not announced as done (it can be resumed).
+        With ``mode = "async"`` the run is :class:`~edgefl.server.asynchronous.AsyncLoop`'s."""
+        if self.async_loop is not None:
+            if not self.async_loop.run(after_round, should_stop):
+                self.stopped_early = True
+                return self.history
+            self._drain()
+            self.announce(self.last_round, {"done": True, "rounds": self.cfg.rounds, "mode": "async"})
+            return self.history
         for r in range(first_round, self.cfg.rounds + 1):
             if should_stop():
                 self.on_event("stopped", {"after_round": r - 1})
+                self.stopped_early = True
                 return self.history
             record = self.run_round(r)
             if after_round is not None:

@@ -99,6 +99,9 @@ class RunSession:
     def resume(self) -> int:
         """Restore the server half and the metrics from the run directory (before any connection
         is made); returns the first round still to play."""
+        if self.cfg.mode == "async":
+            raise ConfigError("an asynchronous run cannot be resumed (its devices' work in flight is not saved)",
+                              hint="start it again; asynchronous.time_budget_s or a lower rounds keeps runs short")
         if self.run_dir is None or not (self.run_dir.path / STATE_FILE).is_file():
             raise ConfigError("nothing to resume: the run directory holds no server state",
                               hint="pass the --out folder of the interrupted run, or drop --resume")
@@ -126,7 +129,7 @@ class RunSession:
             return
         self.run_dir.append_metrics(record)
         self.trackers.log_round(record)
-        if self.save_state_each_round:
+        if self.save_state_each_round and self.cfg.mode == "sync":
             # after every round, so a restarted server resumes where this one stopped
             save_state(self.server, self.run_dir.path / STATE_FILE,
                        {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.orchestrator.run_id,
@@ -146,7 +149,7 @@ class RunSession:
         except KeyboardInterrupt:
             self.finish(interrupted=True)
             raise
-        return self.finish(interrupted=self.orchestrator.last_round < self.cfg.rounds)
+        return self.finish(interrupted=self.orchestrator.stopped_early)
 
     # --- end ------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ counted are the bytes a fleet sends and the codec and the server's checks see ev
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,8 @@ from edgefl.server.session import RunSession, model_meta, safe_name
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
 from edgefl.sim.network import InMemoryNetwork
+
+log = logging.getLogger("edgefl.sim")
 
 
 class Simulation:
@@ -57,6 +60,7 @@ class Simulation:
         self.x_test, self.y_test = self.parts.x_test, self.parts.y_test
         self.clients: dict[str, ClientHalf] = {s.client_id: build_client(cfg, self.ds, s) for s in self.slots}
         self._advance: Callable[[], None] = lambda: None
+        self._unpriced: set[str] = set()  # device classes already warned about (no known speed)
         timed = {s.client_id for s in self.slots if s.profile is not None}
         self.compute_device = resolve_device(cfg.device)
         batch = cfg.simulation.batch_clients == "on" or (cfg.simulation.batch_clients == "auto" and self.compute_device.type == "cuda")
@@ -100,7 +104,14 @@ class Simulation:
             self._advance = lambda: None
 
     def _work_seconds(self, device: str, work: WorkDone) -> float | None:
-        return device_time(self.cfg, self.ds, self.slot_of[device], work.samples, work.bytes_up, work.bytes_down)
+        seconds = device_time(self.cfg, self.ds, self.slot_of[device], work.samples, work.bytes_up, work.bytes_down)
+        profile = self.slot_of[device].profile
+        if seconds is None and self.cfg.mode == "async" and profile is not None and profile.id not in self._unpriced:
+            # asynchronous: such a device reports at once, again and again, and crowds out the rest
+            self._unpriced.add(profile.id)
+            log.warning("device class %s has no known speed: its devices take no virtual time and report as fast as the "
+                        "server answers; measure it (edgefl device-profile) or give its profile effective_gflops", profile.id)
+        return seconds
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Play every round (``should_stop``, asked between rounds, ends the run early: models,
@@ -132,10 +143,14 @@ class Simulation:
             elif kind == "evaluating":
                 progress.add_task(f"round {info['round']}: evaluating", total=None)
                 heartbeat.status(f"round {info['round']}/{cfg.rounds}: evaluating")
+            elif kind == "update":  # asynchronous: the bar counts server updates
+                progress.update(rounds_task, completed=info["version"])
+                heartbeat.status(f"update {info['version']}/{cfg.rounds}")
             elif kind == "closed":
                 for task in [t.id for t in progress.tasks if t.id != rounds_task]:
                     progress.remove_task(task)
-                progress.advance(rounds_task)
+                if cfg.mode == "sync":
+                    progress.advance(rounds_task)
                 self._advance = lambda: None
 
         def on_record(record: dict[str, Any]) -> None:
@@ -230,11 +245,17 @@ def round_line(record: dict[str, Any], total: int) -> str:
     acc_txt = f"acc {acc['overall']:.4f}" if acc and acc["overall"] is not None else "acc  -    "
     outcome = "" if record.get("outcome") in (None, "complete") else f"  [{record['outcome']}]"
     clock = ""
-    if record.get("round_virtual_s") is not None:  # a fleet described by device classes: its virtual time
+    if record.get("mode") == "async":
+        stale = record.get("staleness") or {}
+        when = "virtual " if record.get("virtual_clock") else ""
+        clock = (f"  {when}t={record['clock_s']:.1f}s  {record['reports']} reports"
+                 + (f", staleness mean {stale['mean']:.1f} max {stale['max']}" if stale else "")
+                 + (f", {record['refused_stale']} refused stale" if record.get("refused_stale") else ""))
+    elif record.get("round_virtual_s") is not None:  # a fleet described by device classes: its virtual time
         by_class = ", ".join(f"{k} {v:.1f}s" for k, v in (record.get("virtual_time_by_profile") or {}).items())
         stragglers = record.get("stragglers") or []
         clock = f"  virtual {record['round_virtual_s']:.1f}s ({by_class})" + (f", {len(stragglers)} straggler(s) dropped" if stragglers else "")
     return (
-        f"round {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
+        f"{'update' if record.get('mode') == 'async' else 'round'} {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
         f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}"
     )

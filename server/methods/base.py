@@ -153,6 +153,12 @@ class ServerHalf(ABC):
         """Architecture -> weights of the models the server holds (none for knowledge methods)."""
         return {}
 
+    def shared_weights(self, client_id: str) -> dict[str, torch.Tensor]:
+        """The weights ``client_id`` downloads and uploads a trained copy of (an asynchronous run
+        turns its upload into a staleness-discounted step from them: server/asynchronous.py).
+        :meth:`close_round` must replace these tensors, never edit them in place."""
+        return self.global_models().get(self.clients[client_id].arch, {})
+
     def global_spec(self, arch: str) -> tuple[str, dict[str, Any], tuple[int, ...]]:
         """(zoo model, its options, input shape) of a global architecture, to rebuild it."""
         info = next(c for c in self.clients.values() if c.arch == arch)

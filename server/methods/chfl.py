@@ -31,6 +31,9 @@ class CHFLServer(ServerHalf):
     def downlink(self, round_no: int, client_id: str) -> Message | None:
         return Message("head", round_no, "server", self.global_head, {"embedding_dim": self.options.embedding_dim})
 
+    def shared_weights(self, client_id: str) -> dict[str, torch.Tensor]:
+        return self.global_head
+
     def accept(self, message: Message) -> Receipt:
         if message.kind != "head":
             return Receipt("rejected", f"expected head, got {message.kind}")

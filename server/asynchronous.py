@@ -1,0 +1,405 @@
+"""Asynchronous runs (``mode = "async"``): no rounds; a device trains whenever it is free and the
+server changes with every report, as FedHe's paper runs it.
+
+The loop, over the same transport, checks, receipts and device loop as a synchronous run:
+
+* a free device (online, no download outstanding) gets a download at once: the server's newest
+  knowledge or weights, numbered by a run-wide counter (the envelope's ``round``; it never
+  repeats, so a device's seeds and its resend bookkeeping work unchanged) and tagged with the
+  server version it carries (``info.version``). ``asynchronous.concurrency`` caps how many train
+  at once; free devices are drawn with the seed;
+* its report is checked as every upload is, then judged by its staleness: the server updates
+  since its download. Beyond ``staleness_bound`` it is refused with the reason; otherwise the
+  :class:`AsyncAggregator` hands it to the method's server half, and the device gets its next
+  download;
+* the run is judged every ``eval.every`` server updates (or every ``eval_every_s`` seconds of the
+  transport's clock: virtual in a simulation) and ends after ``rounds`` updates or
+  ``time_budget_s``, whichever comes first.
+
+Server halves are not rewritten for this: the aggregator calls their synchronous contract with
+one "round" per server update (``begin_round`` / ``receive`` / ``close_round``). What makes it
+asynchronous is what it feeds them: a report's shared weights (:meth:`ServerHalf.shared_weights`)
+are rebased onto the current ones as a discounted step, so averaging the buffered reports is
+FedBuff (Nguyen et al. 2022: ``w += lr * mean_i s(t_i) * delta_i``, sample-weighted here) and
+a buffer of one with ``aggregation = "fedasync"`` is FedAsync (Xie et al. 2019:
+``w = (1 - a_t) w + a_t w_i``, ``a_t = mixing * s(t)``), with ``s(t) = (1 + t) ** -exponent``.
+Knowledge (FedHe's logits, Felo's features, CHFL's head ...) is merged by the method itself,
+one report per update by default.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgefl.config import AsyncSettings
+from edgefl.messages import Message, encode
+from edgefl.seeding import derive_seed
+from edgefl.server.methods.base import Receipt
+from edgefl.server.rejections import Rejections
+from edgefl.transport.envelope import Envelope
+
+
+def staleness_discount(staleness: int, exponent: float) -> float:
+    """FedBuff's and FedAsync's polynomial discount: a report ``staleness`` updates old counts this much."""
+    return float((1 + max(staleness, 0)) ** -exponent)
+
+
+def default_buffer_size(settings: AsyncSettings, weight_method: bool, devices: int) -> int:
+    """Reports per server update: one for knowledge methods and FedAsync, else ``buffer_size``
+    or min(10, devices // 2) (FedBuff's paper uses 10 with far more devices)."""
+    if weight_method and settings.aggregation == "fedasync":
+        return 1
+    if settings.buffer_size is not None:
+        return settings.buffer_size
+    return max(1, min(10, devices // 2)) if weight_method else 1
+
+
+class AsyncAggregator:
+    """Turns reports into server updates through a method's synchronous server half."""
+
+    def __init__(self, server, settings: AsyncSettings, weight_method: bool, devices: int) -> None:
+        self.server = server
+        self.settings = settings
+        self.buffer_size = default_buffer_size(settings, weight_method, devices)
+        self.version = 0  # server updates so far
+        self.collecting: set[str] = set()  # devices whose report waits in the buffer
+        self.last_facts: dict[str, Any] = {}
+        self._starts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (arch, version) -> weights handed out
+        self._users: Counter[tuple[str, int]] = Counter()
+        server.begin_round(1)
+
+    # --- what a device started from -----------------------------------------------------------
+    def handed_out(self, device: str) -> tuple[str, int]:
+        """Note the weights ``device`` downloads now (kept, shared by devices of one
+        architecture, while a report may still be rebased on them)."""
+        key = (self.server.clients[device].arch, self.version)
+        if key not in self._starts:
+            self._starts[key] = dict(self.server.shared_weights(device))
+        self._users[key] += 1
+        return key
+
+    def release(self, key: tuple[str, int]) -> None:
+        self._users[key] -= 1
+        if self._users[key] <= 0:
+            del self._users[key]
+            self._starts.pop(key, None)
+
+    # --- reports ----------------------------------------------------------------------------
+    def discount(self, staleness: int) -> float:
+        return staleness_discount(staleness, self.settings.staleness_exponent)
+
+    def rebase(self, message: Message, start: tuple[str, int], staleness: int) -> Message:
+        """The report as the server half should see it in the current update: its shared
+        weights replaced by the current ones plus a discounted step (FedBuff's delta from what the
+        device started from, or FedAsync's mix with the current model). Tensors that do not fit
+        the shared weights are passed on untouched: the method's own checks refuse them."""
+        now = self.server.shared_weights(message.sender)
+        began = self._starts.get(start, {})
+        tensors = dict(message.tensors)
+        s = self.discount(staleness)
+        fedasync = self.settings.aggregation == "fedasync"
+        for name, current in now.items():
+            mine = tensors.get(name)
+            if mine is None or not current.is_floating_point() or mine.shape != current.shape or mine.dtype != current.dtype:
+                continue
+            if fedasync:
+                step = self.settings.mixing * s * (mine.double() - current.double())
+            else:
+                origin = began.get(name, current)
+                step = self.settings.server_lr * s * (mine.double() - origin.double())
+            tensors[name] = (current.double() + step).to(current.dtype)
+        return Message(message.kind, self.version + 1, message.sender, tensors, message.meta, message.message_id)
+
+    def add(self, message: Message, start: tuple[str, int], staleness: int) -> Receipt:
+        """Hand one report to the server half; update when the buffer is full. A device reporting
+        again before the buffer fills closes it first (a server half holds one report per device)."""
+        if message.sender in self.collecting:
+            self.update()
+        receipt = self.server.receive(self.rebase(message, start, staleness))
+        if receipt.status == "accepted":
+            self.collecting.add(message.sender)
+            if len(self.collecting) >= self.buffer_size:
+                self.update()
+        return receipt
+
+    def update(self) -> None:
+        """One server update: the method aggregates or merges what the buffer holds."""
+        self.version += 1
+        self.last_facts = self.server.close_round(self.version) or {}
+        self.collecting = set()
+        self.server.begin_round(self.version + 1)
+
+
+@dataclass
+class Ticket:
+    """A download outstanding: what a device is training on."""
+
+    number: int  # the envelope's round: unique in the run
+    version: int  # the server version it carries
+    start: tuple[str, int]  # the aggregator's key of the weights it carries
+    sent: float  # transport clock
+    envelope: Envelope
+
+
+@dataclass
+class Window:
+    """What happened since the last record."""
+
+    accepted: Counter[str] = field(default_factory=Counter)
+    staleness: list[int] = field(default_factory=list)
+    refused_stale: int = 0
+    late: list[str] = field(default_factory=list)
+    rejected: Rejections = field(default_factory=Rejections)
+    bytes_up: Counter[str] = field(default_factory=Counter)
+    bytes_down: Counter[str] = field(default_factory=Counter)
+    bytes_control: int = 0
+    train_loss: dict[str, float] = field(default_factory=dict)
+    updates_from: int = 0
+    wall0: float = field(default_factory=time.perf_counter)
+
+
+class AsyncLoop:
+    """Plays an asynchronous run with an :class:`~edgefl.server.orchestrator.Orchestrator`'s
+    transport, checks and replies."""
+
+    def __init__(self, orchestrator: Any) -> None:  # the Orchestrator (not imported: it imports this module)
+        self.o = orchestrator
+        cfg = orchestrator.cfg
+        self.settings = cfg.asynchronous
+        weight_method = "weights" in orchestrator.spec.uploads
+        self.aggregator = AsyncAggregator(orchestrator.server, self.settings, weight_method, len(orchestrator.device_ids))
+        self.tickets: dict[str, Ticket] = {}
+        self.answered: dict[str, deque[tuple[str, str, dict[str, Any]]]] = {}  # device -> (upload id, kind, fields)
+        self.counter = 0  # downloads handed out
+        self.window = Window()
+        self.asked: set[str] = set()  # devices asked to report their accuracy since the last record
+        self.stopping = False
+        self.started = 0.0
+        self._dirty = True  # something may have freed a device: look for work to hand out
+
+    @property
+    def version(self) -> int:
+        return self.aggregator.version
+
+    def clock(self) -> float:
+        return self.o.transport.now() - self.started
+
+    # --- handing out work ---------------------------------------------------------------------
+    def fill(self) -> None:
+        """Give every free online device a download, up to ``concurrency`` devices at work."""
+        if self.stopping or not self._dirty:
+            return
+        self._dirty = False
+        o = self.o
+        working = sum(1 for d in self.tickets if o.online.get(d))
+        limit = self.settings.concurrency or len(o.device_ids)
+        free = [d for d in o.device_ids if d not in self.tickets and o.online.get(d)]
+        slots = limit - working
+        if slots <= 0 or not free:
+            return
+        if slots < len(free):
+            rng = np.random.default_rng(derive_seed(o.cfg.seed, "async-pick", self.counter))
+            free = sorted(rng.choice(free, slots, replace=False).tolist())
+        for device in free:
+            self.dispatch(device)
+
+    def dispatch(self, device: str) -> None:
+        o = self.o
+        self.counter += 1
+        number = self.counter
+        down = o.server.downlink(number, device)
+        body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
+        info: dict[str, Any] = {"run": o.run_id, "mode": "async", "version": self.version}
+        if o.evaluator.devices_report(o.server) and device not in self.asked:
+            info["evaluate"] = True  # its next report carries its accuracy (the run is judged by them)
+            self.asked.add(device)
+        env = Envelope("download", o.federation, number, "server", body, model_version=number, codec=codec, extra={"info": info})
+        self.tickets[device] = Ticket(number, self.version, self.aggregator.handed_out(device), o.transport.now(), env)
+        sent = o._send(device, env)
+        if down is not None:
+            self.window.bytes_down[device] += len(body)
+        else:
+            self.window.bytes_control += sent
+
+    def presence(self, device: str, online: bool, was: bool) -> None:
+        if online and not was and device in self.tickets and not self.stopping:
+            # back after a drop: it may have missed its download (a second copy is ignored)
+            self.o._send(device, self.tickets[device].envelope)
+        self._dirty = True
+
+    def _end_ticket(self, device: str) -> None:
+        ticket = self.tickets.pop(device)
+        self.aggregator.release(ticket.start)
+        self._dirty = True
+
+    # --- reports ------------------------------------------------------------------------------
+    def _answer(self, device: str, env: Envelope, upload_id: str, kind: str, **fields: Any) -> None:
+        if kind == "nack":
+            self.o._reject(device, env, fields["reason"])
+        else:
+            self.o._reply(device, env, "ack", **fields)
+        self.answered.setdefault(device, deque(maxlen=4)).append((upload_id, kind, fields))
+
+    def upload(self, device: str, env: Envelope, message: Message, size: int, facts: dict[str, Any]) -> None:
+        """One decoded, checked upload (not an evaluation answer)."""
+        o = self.o
+        ticket = self.tickets.get(device)
+        if ticket is None or message.round != ticket.number:
+            for upload_id, kind, fields in self.answered.get(device, ()):
+                if upload_id == message.message_id:  # a resend: the same answer again
+                    if kind == "nack":
+                        o._reject(device, env, fields["reason"])
+                    else:
+                        o._reply(device, env, "ack", **{**fields, "status": "duplicate"})
+                    return
+            current = f"download {ticket.number}" if ticket is not None else "no download"
+            o._reject(device, env, f"download {message.round} is not {device}'s current work ({current} outstanding); not used")
+            return
+        staleness = self.version - ticket.version
+        bound = self.settings.staleness_bound
+        if bound is not None and staleness > bound:
+            self.window.refused_stale += 1
+            self._end_ticket(device)
+            self._answer(device, env, message.message_id, "nack",
+                         reason=f"stale: trained from server version {ticket.version}, now {self.version} ({staleness} updates > "
+                                f"staleness_bound {bound}); not used, the next download carries the newest")
+            o.on_event("stale", {"device": device, "staleness": staleness})
+            return
+        try:
+            receipt = self.aggregator.add(message, ticket.start, staleness)
+        except Exception as exc:  # a method's check that raised instead of answering: still a refusal
+            receipt = Receipt("rejected", f"server could not use the upload: {type(exc).__name__}: {exc}")
+        self._end_ticket(device)
+        if receipt.status == "rejected":
+            self._answer(device, env, message.message_id, "nack", reason=receipt.reason)
+            return
+        fields: dict[str, Any] = {"status": receipt.status, "info": {"version": self.version, "staleness": staleness}}
+        if receipt.reason:
+            fields["reason"] = receipt.reason
+        self._answer(device, env, message.message_id, "ack", **fields)
+        if message.meta.get("eval_accuracy") is not None:
+            o.evaluator.device_reported(device, message.meta["eval_accuracy"])
+        w = self.window
+        if receipt.status != "accepted":
+            w.late.append(device)
+            return
+        w.accepted[device] += 1
+        w.staleness.append(staleness)
+        if message.tensors:
+            w.bytes_up[device] += len(env.body)
+        else:
+            w.bytes_control += size
+        if message.meta.get("train_loss") is not None:
+            w.train_loss[device] = round(float(message.meta["train_loss"]), 6)
+        o.on_event("update", {"device": device, "version": self.version, "staleness": staleness})
+
+    # --- records --------------------------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """The metrics record of the updates since the last one, with the run judged now."""
+        o, w = self.o, self.window
+        train_s = time.perf_counter() - w.wall0
+        o.on_event("evaluating", {"round": self.version})
+        t1 = time.perf_counter()
+        accuracy = o.evaluate(self.version)
+        eval_s = time.perf_counter() - t1
+        by_profile: Counter[str] = Counter()
+        for device, n in w.accepted.items():
+            by_profile[o.profiles.get(device, "-")] += n
+        record = {
+            "round": self.version,
+            "mode": "async",
+            "outcome": "async",
+            "updates": self.version - w.updates_from,
+            "clock_s": round(self.clock(), 4),
+            "virtual_clock": bool(o.transport.virtual_clock),
+            "downloads": self.counter,
+            "in_flight": len(self.tickets),
+            "reports": sum(w.accepted.values()),
+            "reports_per_client": dict(sorted(w.accepted.items())),
+            "reports_by_profile": dict(sorted(by_profile.items())),
+            "staleness": {"mean": round(statistics.fmean(w.staleness), 3), "max": max(w.staleness)} if w.staleness else None,
+            "refused_stale": w.refused_stale,
+            "selected": [],
+            "reported": sorted(w.accepted),
+            "missing": [],
+            "late": w.late,
+            "rejected": w.rejected.summary(),
+            "receipts": {},
+            "bytes_up": sum(w.bytes_up.values()),
+            "bytes_down": sum(w.bytes_down.values()),
+            "bytes_up_per_client": dict(sorted(w.bytes_up.items())),
+            "bytes_down_per_client": dict(sorted(w.bytes_down.items())),
+            "bytes_control": w.bytes_control,
+            "train_loss": dict(sorted(w.train_loss.items())),
+            "accuracy": accuracy,
+            "server": self.aggregator.last_facts,
+            "round_time_s": round(train_s + eval_s, 4),
+            "train_time_s": round(train_s, 4),
+            "eval_time_s": round(eval_s, 4),
+        }
+        self.window = Window(updates_from=self.version)
+        self.asked = set()
+        self._dirty = True
+        return record
+
+    # --- the whole run --------------------------------------------------------------------------
+    def run(self, after_record: Callable[[dict[str, Any]], None] | None, should_stop: Callable[[], bool]) -> bool:
+        """Play until ``rounds`` updates or the time budget; True when it ran to its end (False:
+        stopped by ``should_stop``)."""
+        o, cfg, settings = self.o, self.o.cfg, self.settings
+        self.started = o.transport.now()
+        budget = settings.time_budget_s
+        every_s = settings.eval_every_s
+        next_version = cfg.eval.every
+        next_time = every_s if every_s is not None else math.inf
+        recorded = -1
+        finished = True
+
+        def emit() -> None:
+            nonlocal recorded
+            record = self.record()
+            recorded = record["round"]
+            o.history.append(record)
+            o.on_event("closed", record)
+            if after_record is not None:
+                after_record(record)
+
+        self.fill()
+        while self.version < cfg.rounds:
+            elapsed = self.clock()
+            if budget is not None and elapsed >= budget:
+                break
+            if should_stop():
+                o.on_event("stopped", {"after_round": self.version})
+                finished = False
+                break
+            if o.transport.virtual_clock and not self.tickets and not any(o.online.get(d) for d in o.device_ids):
+                o.on_event("all_offline", {"round": self.version})
+                break
+            wait = 1.0 if budget is None else min(1.0, budget - elapsed)
+            if every_s is not None:
+                wait = min(wait, max(next_time - elapsed, 0.0))
+            o._pump(max(wait, 0.0))
+            self.fill()
+            if every_s is None and self.version >= next_version:
+                while next_version <= self.version:
+                    next_version += cfg.eval.every
+                emit()
+            elif every_s is not None and self.clock() >= next_time:
+                while next_time <= self.clock():
+                    next_time += every_s
+                emit()
+        self.stopping = True
+        o.last_round = self.version
+        if finished and recorded != self.version:
+            emit()  # the end is always judged
+        return finished

@@ -1,0 +1,226 @@
+"""Asynchronous runs (mode = "async"): FedBuff and FedAsync arithmetic, knowledge merged per report,
+the staleness bound, the virtual clock driven by device classes, reproducibility, config errors,
+and a fleet over a real mosquitto with a device joining late and one leaving mid-run."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from edgefl.config import RunConfig
+from edgefl.errors import ConfigError
+from edgefl.messages import Message
+from edgefl.server.asynchronous import AsyncAggregator, staleness_discount
+from edgefl.server.methods.base import ClientInfo
+from edgefl.server.session import TIMING_FIELDS
+from tests.conftest import digits_config
+
+
+def async_config(method: str = "fedhe", rounds: int = 12, **settings) -> RunConfig:
+    raw = digits_config(method, rounds=rounds, mode="async", threads=1)
+    raw["eval"] = {"every": 6}
+    if settings:
+        raw["asynchronous"] = settings
+    return RunConfig.model_validate(raw)
+
+
+def _fedavg_server():
+    from edgefl.algorithms.fedavg import FedAvgOptions
+    from edgefl.server.methods.fedavg import FedAvgServer
+
+    clients = [ClientInfo(f"c{i}", "mlp", "mlp", {"hidden": [4]}, num_samples=10 * (i + 1)) for i in range(3)]
+    return FedAvgServer(clients, FedAvgOptions(), seed=0, num_classes=3, input_shape=(1, 2, 2))
+
+
+def _report(server, sender: str, start: dict[str, torch.Tensor], shift: float, round_no: int = 1) -> Message:
+    tensors = {k: (v + shift) if v.is_floating_point() else v.clone() for k, v in start.items()}
+    return Message("weights", round_no, sender, tensors, {"num_samples": server.clients[sender].num_samples})
+
+
+def test_fedbuff_applies_the_sample_weighted_mean_of_discounted_deltas():
+    from edgefl.config import AsyncSettings
+
+    server = _fedavg_server()
+    agg = AsyncAggregator(server, AsyncSettings(buffer_size=2, server_lr=0.5, staleness_exponent=0.5), True, 3)
+    w0 = {k: v.clone() for k, v in server.global_models()["mlp"].items()}
+    k0 = agg.handed_out("c0")
+    agg.add(_report(server, "c0", w0, 1.0), k0, 0)  # delta +1, fresh
+    assert agg.version == 0  # the buffer holds one of two
+    k1 = agg.handed_out("c1")
+    agg.add(_report(server, "c1", w0, 2.0), k1, 3)  # delta +2, 3 updates old
+    assert agg.version == 1
+    s0, s1 = 1.0, staleness_discount(3, 0.5)
+    n0, n1 = 10, 20
+    expected_step = 0.5 * (n0 * s0 * 1.0 + n1 * s1 * 2.0) / (n0 + n1)
+    name = next(k for k, v in w0.items() if v.is_floating_point())
+    got = server.global_models()["mlp"][name] - w0[name]
+    assert torch.allclose(got, torch.full_like(got, expected_step), atol=1e-6)
+
+
+def test_fedasync_mixes_each_report_in_at_a_discounted_rate_and_a_device_started_later_steps_from_its_own_start():
+    from edgefl.config import AsyncSettings
+
+    server = _fedavg_server()
+    agg = AsyncAggregator(server, AsyncSettings(aggregation="fedasync", mixing=0.5, staleness_exponent=1.0), True, 3)
+    assert agg.buffer_size == 1
+    w0 = {k: v.clone() for k, v in server.global_models()["mlp"].items()}
+    name = next(k for k, v in w0.items() if v.is_floating_point())
+    k0 = agg.handed_out("c0")
+    agg.add(_report(server, "c0", w0, 4.0), k0, 0)
+    w1 = server.global_models()["mlp"][name].clone()
+    assert torch.allclose(w1 - w0[name], torch.full_like(w1, 0.5 * 4.0), atol=1e-6)
+    k2 = agg.handed_out("c2")
+    agg.add(_report(server, "c2", w0, 4.0), k2, 1)  # mixes with the current model at 0.5 / 2
+    w2 = server.global_models()["mlp"][name]
+    assert torch.allclose(w2, w1 + 0.25 * ((w0[name] + 4.0) - w1), atol=1e-6)
+    assert not agg._starts or all(n > 0 for n in agg._users.values())
+
+
+def test_a_device_reporting_twice_before_the_buffer_fills_closes_it_first():
+    from edgefl.config import AsyncSettings
+
+    server = _fedavg_server()
+    agg = AsyncAggregator(server, AsyncSettings(buffer_size=3), True, 3)
+    w0 = {k: v.clone() for k, v in server.global_models()["mlp"].items()}
+    assert agg.add(_report(server, "c0", w0, 1.0), agg.handed_out("c0"), 0).status == "accepted"
+    assert agg.add(_report(server, "c0", w0, 1.0), agg.handed_out("c0"), 0).status == "accepted"
+    assert agg.version == 1 and agg.collecting == {"c0"}
+
+
+def test_fedhe_merges_every_report_and_the_same_seed_gives_the_same_numbers():
+    from edgefl.sim import Simulation
+
+    cfg = async_config("fedhe", rounds=12)
+    runs = []
+    for _ in range(2):
+        sim = Simulation(cfg, show_progress=False)
+        sim.run()
+        runs.append([{k: v for k, v in h.items() if k not in TIMING_FIELDS} for h in sim.history])
+    first = runs[0]
+    assert first == runs[1]
+    assert [h["round"] for h in first] == [6, 12]
+    assert all(h["mode"] == "async" and h["updates"] == 6 and h["reports"] == 6 for h in first)  # one update per report
+    assert first[-1]["accuracy"]["overall"] is not None
+    assert first[-1]["downloads"] >= 12 + 4 - 1  # every report earns the device its next download
+
+
+def test_reports_beyond_the_staleness_bound_are_refused_with_the_reason():
+    from edgefl.sim import Simulation
+
+    sim = Simulation(async_config("fedhe", rounds=12, staleness_bound=1), show_progress=False)
+    summary = sim.run()
+    refused = sum(h["refused_stale"] for h in sim.history)
+    assert refused > 0
+    reasons = summary["rejections"]["by_reason"]
+    assert any(r.startswith("stale: trained from server version") for r in reasons), reasons
+    results = [r for loop in sim.network.loops.values() for r in loop.results.values()]
+    assert any(r["reply"] == "nack" and "staleness_bound 1" in r["status"] for r in results)
+    assert all(h["staleness"]["max"] <= 1 for h in sim.history if h["staleness"])
+
+
+def test_on_the_virtual_clock_a_fast_device_class_reports_more_often_and_a_time_budget_ends_the_run():
+    from edgefl.sim import Simulation
+
+    raw = digits_config("fedhe", rounds=10_000, mode="async", threads=1)
+    raw["fleet"] = {"groups": [
+        {"model": "fedhe-cnn-0", "count": 2, "profile": "pi4-4gb", "options": {"width": 0.125}},
+        {"model": "fedhe-cnn-0", "count": 2, "profile": "pi-zero-2w", "options": {"width": 0.125}},
+    ]}
+    raw["asynchronous"] = {"time_budget_s": 1.0, "eval_every_s": 0.5}
+    sim = Simulation(RunConfig.model_validate(raw), show_progress=False)
+    summary = sim.run()
+    assert not summary["interrupted"]
+    by_class: dict[str, int] = {}
+    for h in sim.history:
+        for profile, n in h["reports_by_profile"].items():
+            by_class[profile] = by_class.get(profile, 0) + n
+    assert by_class["pi4-4gb"] > 2 * by_class.get("pi-zero-2w", 0), by_class
+    clocks = [h["clock_s"] for h in sim.history]
+    assert clocks == sorted(clocks) and clocks[-1] <= 1.0 + 1e-6 and len(clocks) >= 2
+    assert sim.history[-1]["round"] < 10_000
+
+
+def test_weight_methods_run_fedbuff_and_fedasync_end_to_end():
+    from edgefl.sim import Simulation
+
+    for aggregation in ("fedbuff", "fedasync"):
+        sim = Simulation(async_config("fedavg", rounds=6, aggregation=aggregation), show_progress=False)
+        summary = sim.run()
+        assert summary["final_accuracy"]["overall"] is not None
+        per_update = 2 if aggregation == "fedbuff" else 1  # buffer min(10, 4 // 2)
+        assert sum(h["reports"] for h in sim.history) == 6 * per_update
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"method": {"name": "fedmho"}, "rounds": 1}, "one-shot"),
+    ({"fleet": {"groups": [{"model": "mlp", "count": 4}], "per_round": 2}}, "concurrency"),
+    ({"mode": "sync"}, "apply to mode"),
+])
+def test_config_refuses_what_async_cannot_do(change, message):
+    raw = digits_config("fedhe", mode="async")
+    raw["asynchronous"] = {"concurrency": 2}
+    raw.update(change)
+    with pytest.raises(ValueError, match=message):
+        RunConfig.model_validate(raw)
+
+
+def test_an_async_run_cannot_be_resumed(tmp_path):
+    from edgefl.build import build_run
+    from edgefl.rundir import RunDir
+    from edgefl.server.session import RunSession
+
+    cfg = async_config()
+    session = RunSession(build_run(cfg), None, "f", runner="simulation", run_dir=RunDir(tmp_path), deadline_s=10)
+    with pytest.raises(ConfigError, match="cannot be resumed"):
+        session.resume()
+
+
+def test_a_fleet_runs_asynchronously_with_a_late_joiner_and_a_leaver(tmp_path):
+    """Real device processes over mosquitto: client-3 starts after the run has begun, client-2 is
+    killed after it reported; the run goes on, counts both, and the leaver is not waited for."""
+    from edgefl.fleet.launcher import serve
+    from tests.mosquitto import mosquitto
+    from tests.test_fleet import _device, fleet_config, wait_online
+
+    base = fleet_config("fedhe", rounds=10_000, federation="async-fleet")
+    raw = base.to_dict()
+    raw.update(mode="async", asynchronous={"time_budget_s": 40.0, "eval_every_s": 10.0})
+    cfg = RunConfig.model_validate(raw)
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    with mosquitto(tmp_path) as broker:
+        procs = {d: _device(path, broker, d, timeout=120) for d in ("client-0", "client-1", "client-2")}
+        wait_online(broker, "async-fleet", list(procs))
+        reports: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def on_event(kind, info):
+            if kind != "update":
+                return
+            with lock:
+                reports[info["device"]] = reports.get(info["device"], 0) + 1
+                if "client-3" not in procs:
+                    procs["client-3"] = _device(path, broker, "client-3", timeout=120)
+                if info["device"] == "client-2" and reports["client-2"] == 3:
+                    procs["client-2"].kill()
+
+        try:
+            summary = serve(cfg, broker, None, on_event=on_event, join_timeout_s=5)
+            for d in ("client-0", "client-1", "client-3"):
+                assert procs[d].wait(timeout=60) == 0, procs[d].stderr.read().decode()[-2000:]
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+    history = summary["history"]
+    assert history and all(h["mode"] == "async" for h in history)
+    total = {}
+    for h in history:
+        for d, n in h["reports_per_client"].items():
+            total[d] = total.get(d, 0) + n
+    assert total.get("client-3", 0) > 0, total  # joined late and took part
+    assert total["client-2"] == 3, total  # left after its third report; the run went on without it
+    assert total["client-0"] > 3 and total["client-1"] > 3
+    assert summary["final_accuracy"] is not None and not summary["interrupted"]
