@@ -82,7 +82,7 @@ def simulate(
     config: Annotated[Optional[Path], typer.Argument(help="run config (TOML); omitted: the embedded preset")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="override a key, e.g. --set rounds=3 (repeatable)")] = [],  # noqa: B006
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory (default runs/<time>-<name>-s<seed>)")] = None,
-    preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted: demo or paper")] = "demo",
+    preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted: demo, paper or fedhe-paper (FedHe as its paper runs it)")] = "demo",
     show_config: Annotated[bool, typer.Option("--show-config", help="print the resolved config and exit")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
     data_dir: DataDir = None,

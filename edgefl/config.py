@@ -289,6 +289,10 @@ class AsyncSettings(Strict):
         None, gt=0, description="stop after this many seconds (virtual in a simulation), or after rounds updates, whichever is first")
     eval_every_s: float | None = Field(
         None, gt=0, description="evaluate every this many (virtual) seconds instead of every eval.every server updates")
+    device_accuracy: Literal["every_report", "at_records"] = Field(
+        "every_report", description="methods judged by their devices: every report carries the device's accuracy (exact, one "
+                                    "evaluation per report), or idle devices are asked at each record and busy ones keep their "
+                                    "last value (cheaper when few train at once, e.g. concurrency = 1)")
 
 
 class MethodSettings(BaseModel):
@@ -424,7 +428,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-PRESETS = {"demo": "fedhe-fashion-mnist.toml", "paper": "fedhe-fashion-mnist-paper.toml"}
+PRESETS = {"demo": "fedhe-fashion-mnist.toml", "paper": "fedhe-fashion-mnist-paper.toml",
+           "fedhe-paper": "fedhe-fashion-mnist-paper-async.toml"}
 
 
 def preset_text(name: str) -> str:

@@ -90,6 +90,24 @@ def draw_plots(run: RunDir) -> list[Path]:
         ax.legend(fontsize=7)
         written.append(_save(fig, out_dir / "round_time.png", plt))
 
+    async_records = [m for m in metrics if m.get("mode") == "async"]
+    if async_records:
+        # an asynchronous run: accuracy against the clock it ran on, and who reported how often
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
+        judged = [m for m in async_records if m["accuracy"] and m["accuracy"]["overall"] is not None]
+        ax.plot([m["clock_s"] for m in judged], [m["accuracy"]["overall"] for m in judged], color="black", marker="o")
+        clock = "virtual seconds" if async_records[0].get("virtual_clock") else "seconds"
+        ax.set(xlabel=clock, ylabel="test accuracy (overall)", title="Accuracy over time (asynchronous run)", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        totals: dict[str, int] = {}
+        for m in async_records:
+            for key, n in (m.get("reports_by_profile") or {}).items():
+                totals[key] = totals.get(key, 0) + n
+        bx.bar(list(totals), list(totals.values()))
+        bx.set(ylabel="reports accepted", title="Reports by device class (- : no class)")
+        bx.tick_params(axis="x", labelrotation=30)
+        written.append(_save(fig, out_dir / "async.png", plt))
+
     part_path = run.path / "partition.json"
     if part_path.is_file():
         part = run.read_json("partition.json")

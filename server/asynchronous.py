@@ -219,8 +219,8 @@ class AsyncLoop:
         down = o.server.downlink(number, device)
         body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
         info: dict[str, Any] = {"run": o.run_id, "mode": "async", "version": self.version}
-        if o.evaluator.devices_report(o.server) and device not in self.asked:
-            info["evaluate"] = True  # its next report carries its accuracy (the run is judged by them)
+        if o.evaluator.devices_report(o.server) and (self.settings.device_accuracy == "every_report" or device not in self.asked):
+            info["evaluate"] = True  # its report carries its accuracy (the run is judged by them)
             self.asked.add(device)
         env = Envelope("download", o.federation, number, "server", body, model_version=number, codec=codec, extra={"info": info})
         self.tickets[device] = Ticket(number, self.version, self.aggregator.handed_out(device), o.transport.now(), env)
@@ -306,20 +306,23 @@ class AsyncLoop:
     def record(self) -> dict[str, Any]:
         """The metrics record of the updates since the last one, with the run judged now."""
         o, w = self.o, self.window
+        version, clock_s = self.version, self.clock()  # reports answered while judging are counted in this record
         train_s = time.perf_counter() - w.wall0
-        o.on_event("evaluating", {"round": self.version})
+        o.on_event("evaluating", {"round": version})
         t1 = time.perf_counter()
+        if self.settings.device_accuracy == "at_records" and o.evaluator.devices_report(o.server):
+            self._ask_idle()
         accuracy = o.evaluate(self.version)
         eval_s = time.perf_counter() - t1
         by_profile: Counter[str] = Counter()
         for device, n in w.accepted.items():
             by_profile[o.profiles.get(device, "-")] += n
         record = {
-            "round": self.version,
+            "round": version,
             "mode": "async",
             "outcome": "async",
-            "updates": self.version - w.updates_from,
-            "clock_s": round(self.clock(), 4),
+            "updates": version - w.updates_from,
+            "clock_s": round(clock_s, 4),
             "virtual_clock": bool(o.transport.virtual_clock),
             "downloads": self.counter,
             "in_flight": len(self.tickets),
@@ -346,10 +349,28 @@ class AsyncLoop:
             "train_time_s": round(train_s, 4),
             "eval_time_s": round(eval_s, 4),
         }
-        self.window = Window(updates_from=self.version)
+        self.window = Window(updates_from=version)
         self.asked = set()
         self._dirty = True
         return record
+
+    def _ask_idle(self) -> None:
+        """Ask every idle online device for the accuracy of its model now (an ``evaluate`` with
+        no body: nothing is loaded); answers count as its latest reported accuracy."""
+        o = self.o
+        idle = [d for d in o.device_ids if d not in self.tickets and o.online.get(d) and d in o.evaluator.judged]
+        if not idle:
+            return
+        o._evaluation, o._asked = {}, set(idle)
+        for device in idle:
+            o._send(device, Envelope("evaluate", o.federation, self.version, "server", b"", model_version=self.version,
+                                     codec="none", extra={"info": {"run": o.run_id}}))
+        deadline = o.transport.now() + o.deadline_s
+        while set(o._evaluation) < set(idle) and o.transport.now() < deadline:
+            o._pump(min(deadline - o.transport.now(), 1.0))
+        answers, o._evaluation = o._evaluation, None
+        for device, accuracy in answers.items():
+            o.evaluator.device_reported(device, accuracy)
 
     # --- the whole run --------------------------------------------------------------------------
     def run(self, after_record: Callable[[dict[str, Any]], None] | None, should_stop: Callable[[], bool]) -> bool:
@@ -389,7 +410,6 @@ class AsyncLoop:
             if every_s is not None:
                 wait = min(wait, max(next_time - elapsed, 0.0))
             o._pump(max(wait, 0.0))
-            self.fill()
             if every_s is None and self.version >= next_version:
                 while next_version <= self.version:
                     next_version += cfg.eval.every
@@ -398,6 +418,7 @@ class AsyncLoop:
                 while next_time <= self.clock():
                     next_time += every_s
                 emit()
+            self.fill()  # after a record: its evaluation asks idle devices before they get new work
         self.stopping = True
         o.last_round = self.version
         if finished and recorded != self.version:

@@ -224,3 +224,27 @@ def test_a_fleet_runs_asynchronously_with_a_late_joiner_and_a_leaver(tmp_path):
     assert total["client-2"] == 3, total  # left after its third report; the run went on without it
     assert total["client-0"] > 3 and total["client-1"] > 3
     assert summary["final_accuracy"] is not None and not summary["interrupted"]
+
+
+def test_one_device_at_a_time_as_fedhe_s_paper_with_idle_devices_asked_at_each_record():
+    from edgefl.sim import Simulation
+
+    raw = digits_config("fedhe", rounds=12, mode="async", threads=1)
+    raw["train"]["max_steps"] = 3
+    raw["eval"] = {"every": 6}
+    raw["asynchronous"] = {"concurrency": 1, "device_accuracy": "at_records"}
+    sim = Simulation(RunConfig.model_validate(raw), show_progress=False)
+    sim.run()
+    assert [h["round"] for h in sim.history] == [6, 12]
+    assert [h["downloads"] for h in sim.history] == [6, 12]  # one device at work at any time
+    assert all(h["in_flight"] == 0 for h in sim.history)
+    assert all(len(h["accuracy"]["per_client"]) == 4 for h in sim.history)  # every device judged, idle ones asked
+
+
+def test_the_fedhe_paper_preset_is_asynchronous_one_client_at_a_time():
+    from edgefl.config import load_config
+
+    cfg = load_config(None, preset="fedhe-paper")
+    assert cfg.mode == "async" and cfg.asynchronous.concurrency == 1
+    assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.lr, cfg.train.optimizer) == (3, 50, 1e-3, "adam")
+    assert len(cfg.fleet.groups) == 10 and cfg.method.name == "fedhe"

@@ -26,7 +26,8 @@ class FedHeOptions(MethodOptions):
     alpha: float = Field(1.0, ge=0, description="weight of the logit loss (paper: 1)")
     logit_loss: Literal["mse", "kl"] = Field("mse", description="mse on raw logits (authors' code) or KL")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of the KL variant")
-    warmup_rounds: int = Field(1, ge=0, description="rounds of CE only before the logit loss starts")
+    warmup_rounds: int = Field(1, ge=0, description="rounds of CE only before the logit loss starts (mode = \"async\": downloads of the run)")
+    count_offset: int = Field(1, ge=0, le=1, description="the +1 in Eq. 8's denominator, sum / (count + 1); 0 sends the plain mean")
     server_weighting: Literal["uniform", "count"] = Field(
         "uniform", description="server: per-class mean over clients unweighted (paper Eq. 10) or weighted by sample counts"
     )
@@ -65,7 +66,8 @@ def fedhe_loss(
 class LogitCollector:
     """Per-class sums and counts of the logits produced during training (paper Eq. 7-8)."""
 
-    def __init__(self, num_classes: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_classes: int, device: torch.device | str = "cpu", offset: int = 1) -> None:
+        self.offset = offset  # Eq. 8's +1 (FedHeOptions.count_offset)
         self.sums = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
         self.counts = torch.zeros(num_classes, dtype=torch.int64, device=device)
 
@@ -74,9 +76,9 @@ class LogitCollector:
         self.counts += torch.bincount(y, minlength=len(self.counts))
 
     def averages(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(classes seen, their sum / (count + 1), their counts)."""
+        """(classes seen, their sum / (count + offset), their counts)."""
         seen = torch.nonzero(self.counts > 0).flatten()
-        avg = self.sums[seen] / (self.counts[seen].to(torch.float64) + 1).unsqueeze(1)
+        avg = self.sums[seen] / (self.counts[seen].to(torch.float64) + self.offset).unsqueeze(1)
         return seen, avg.to(torch.float32), self.counts[seen]
 
 
@@ -98,7 +100,7 @@ class FedHeClient(ClientHalf):
         opts: FedHeOptions = self.options  # type: ignore[assignment]
         distill = round_no > opts.warmup_rounds and self.server_logits is not None
         teacher, mask = (self.server_logits, self.server_mask) if distill else (None, None)
-        collector = LogitCollector(self.setup.num_classes, self.device)
+        collector = LogitCollector(self.setup.num_classes, self.device, opts.count_offset)
 
         def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             logits = self.model(xb)
@@ -116,7 +118,7 @@ class FedHeClient(ClientHalf):
         self.receive(downlink)
         opts: FedHeOptions = self.options  # type: ignore[assignment]
         distill = round_no > opts.warmup_rounds and self.server_logits is not None and opts.alpha != 0
-        collector = LogitCollector(self.setup.num_classes, self.device)
+        collector = LogitCollector(self.setup.num_classes, self.device, opts.count_offset)
         consts = {"teacher": self.server_logits, "has": self.server_mask.to(self.server_logits.dtype)} if distill else {}
 
         def loss(model, params, xb, yb, c, extras):

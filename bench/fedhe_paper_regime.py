@@ -1,0 +1,127 @@
+"""FedHe against Local-only in the paper's own training regime (the fedhe-paper preset, scaled to
+width 0.25 for this CPU): asynchronous, one client at a time drawn at random, three mini-batches
+of 50 per step, Adam 1e-3, alpha = 1 with MSE. Fashion-MNIST, IID and Dirichlet(0.5), several
+seeds; then, on Dirichlet(0.5), one change at a time of what could make FedHe trail Local-only:
+Eq. 8's +1, Eq. 10 unweighted vs count-weighted, the warm-up, and the logit loss's weight.
+
+    ./dev.sh bench fedhe_paper_regime [--updates 2000] [--seeds 0,1] [--no-variants]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+from common import RESULTS, load, mean_std, run_config, save
+
+from edgefl.config import preset_text
+
+try:
+    import tomllib
+except ImportError:  # pragma: no cover
+    import tomli as tomllib
+
+VARIANTS = {
+    "Eq. 8 without +1 (count_offset = 0)": {"count_offset": 0},
+    "Eq. 10 count-weighted": {"server_weighting": "count"},
+    "no warm-up": {"warmup_rounds": 0},
+    "long warm-up (500 downloads)": {"warmup_rounds": 500},
+    "alpha = 0.3": {"alpha": 0.3},
+    "KL at T = 2 instead of MSE": {"logit_loss": "kl", "temperature": 2.0},
+}
+
+
+def regime(updates: int, seed: int, partition: str, method: str, **options) -> dict:
+    raw = tomllib.loads(preset_text("fedhe-paper"))
+    raw = copy.deepcopy(raw)
+    raw.update(seed=seed, rounds=updates, threads=2)
+    raw["eval"] = {"every": max(1, updates // 8)}
+    raw["data"]["partition"] = partition
+    for group in raw["fleet"]["groups"]:
+        group["options"] = {"width": 0.25}
+    if method == "local":
+        raw["method"] = {"name": "local"}
+    else:
+        raw["method"].update(options)
+    return raw
+
+
+def final(run: dict) -> tuple[float, dict[str, float]]:
+    acc = run["summary"]["final_accuracy"]
+    return acc["overall"], acc["per_arch"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--updates", type=int, default=2000)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--no-variants", action="store_true")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    ds = load("fashion-mnist")
+    table: dict = {}
+    curves: dict = {}
+    for partition in ("iid", "dirichlet"):
+        for method in ("fedhe", "local"):
+            finals, arch_rows = [], []
+            for seed in seeds:
+                t0 = time.perf_counter()
+                run = run_config(regime(args.updates, seed, partition, method), ds)
+                overall, per_arch = final(run)
+                finals.append(overall)
+                arch_rows.append(per_arch)
+                curves[f"{method} {partition} s{seed}"] = [(h["round"], h["accuracy"]["overall"]) for h in run["history"] if h["accuracy"]]
+                print(f"{partition:9} {method:6} seed {seed}: {overall:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            m, s = mean_std(finals)
+            per_arch = {a: sum(r[a] for r in arch_rows) / len(arch_rows) for a in arch_rows[0]}
+            table[f"{partition} {method}"] = {"mean": m, "std": s, "finals": finals, "per_arch": per_arch}
+    variants: dict = {}
+    if not args.no_variants:
+        base_seed = seeds[0]
+        for label, options in VARIANTS.items():
+            t0 = time.perf_counter()
+            run = run_config(regime(args.updates, base_seed, "dirichlet", "fedhe", **options), ds)
+            overall, per_arch = final(run)
+            variants[label] = {"options": options, "final": overall, "per_arch": per_arch}
+            print(f"variant {label}: {overall:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print("\nfinal accuracy (mean +- std over seeds " + ",".join(map(str, seeds)) + f"), {args.updates} server updates")
+    for key, row in table.items():
+        print(f"  {key:18} {row['mean']:.4f} +- {row['std']:.4f}   {[round(f, 4) for f in row['finals']]}")
+    for partition in ("iid", "dirichlet"):
+        fed, loc = table[f"{partition} fedhe"]["per_arch"], table[f"{partition} local"]["per_arch"]
+        print(f"  {partition}: FedHe - Local per architecture: " + ", ".join(f"{a.split('(')[0]} {fed[a] - loc[a]:+.3f}" for a in fed))
+    if variants:
+        print(f"\nDirichlet(0.5), seed {seeds[0]}: FedHe as the preset {table['dirichlet fedhe']['finals'][0]:.4f}, "
+              f"Local-only {table['dirichlet local']['finals'][0]:.4f}")
+        for label, row in variants.items():
+            print(f"  {label:40} {row['final']:.4f}")
+    path = save("fedhe_paper_regime", {"updates": args.updates, "seeds": seeds, "table": table, "variants": variants, "curves": curves})
+    print(f"saved {path}")
+    _plot(curves, RESULTS / "fedhe_paper_regime.png")
+
+
+def _plot(curves: dict, out) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, partition in zip(axes, ("iid", "dirichlet")):
+        for label, curve in curves.items():
+            if f" {partition} " in label:
+                ax.plot([u for u, _ in curve], [a for _, a in curve], color="C0" if label.startswith("fedhe") else "C1",
+                        alpha=0.8, label=label)
+        ax.set(title=f"Fashion-MNIST {partition}: FedHe vs Local-only, paper regime", xlabel="server updates (one per report)",
+               ylabel="mean device accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
