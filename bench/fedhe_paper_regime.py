@@ -4,7 +4,8 @@ of 50 per step, Adam 1e-3, alpha = 1 with MSE. Fashion-MNIST, IID and Dirichlet(
 seeds; then, on Dirichlet(0.5), one change at a time of what could make FedHe trail Local-only:
 Eq. 8's +1, Eq. 10 unweighted vs count-weighted, the warm-up, and the logit loss's weight.
 
-    ./dev.sh bench fedhe_paper_regime [--updates 2000] [--seeds 0,1] [--no-variants]
+    ./dev.sh bench fedhe_paper_regime [--updates 1500] [--seeds 0,1,2] [--partitions iid,dirichlet] [--variants only|no|yes]
+                                      [--threads 2] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ VARIANTS = {
 }
 
 
-def regime(updates: int, seed: int, partition: str, method: str, **options) -> dict:
+def regime(updates: int, seed: int, partition: str, method: str, threads: int = 2, **options) -> dict:
     raw = tomllib.loads(preset_text("fedhe-paper"))
     raw = copy.deepcopy(raw)
-    raw.update(seed=seed, rounds=updates, threads=2)
+    raw.update(seed=seed, rounds=updates, threads=threads)
     raw["eval"] = {"every": max(1, updates // 8)}
     raw["data"]["partition"] = partition
     for group in raw["fleet"]["groups"]:
@@ -54,20 +55,24 @@ def final(run: dict) -> tuple[float, dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--updates", type=int, default=2000)
-    ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--updates", type=int, default=1500)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--partitions", default="iid,dirichlet")
+    ap.add_argument("--variants", choices=("yes", "no", "only"), default="yes")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tag", default="", help="suffix of the results file (runs split over processes)")
     args = ap.parse_args()
+    partitions = args.partitions.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     ds = load("fashion-mnist")
     table: dict = {}
     curves: dict = {}
-    for partition in ("iid", "dirichlet"):
+    for partition in partitions if args.variants != "only" else []:
         for method in ("fedhe", "local"):
             finals, arch_rows = [], []
             for seed in seeds:
                 t0 = time.perf_counter()
-                run = run_config(regime(args.updates, seed, partition, method), ds)
+                run = run_config(regime(args.updates, seed, partition, method, args.threads), ds)
                 overall, per_arch = final(run)
                 finals.append(overall)
                 arch_rows.append(per_arch)
@@ -77,28 +82,29 @@ def main() -> None:
             per_arch = {a: sum(r[a] for r in arch_rows) / len(arch_rows) for a in arch_rows[0]}
             table[f"{partition} {method}"] = {"mean": m, "std": s, "finals": finals, "per_arch": per_arch}
     variants: dict = {}
-    if not args.no_variants:
+    if args.variants != "no":
         base_seed = seeds[0]
         for label, options in VARIANTS.items():
             t0 = time.perf_counter()
-            run = run_config(regime(args.updates, base_seed, "dirichlet", "fedhe", **options), ds)
+            run = run_config(regime(args.updates, base_seed, "dirichlet", "fedhe", args.threads, **options), ds)
             overall, per_arch = final(run)
             variants[label] = {"options": options, "final": overall, "per_arch": per_arch}
             print(f"variant {label}: {overall:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     print("\nfinal accuracy (mean +- std over seeds " + ",".join(map(str, seeds)) + f"), {args.updates} server updates")
     for key, row in table.items():
         print(f"  {key:18} {row['mean']:.4f} +- {row['std']:.4f}   {[round(f, 4) for f in row['finals']]}")
-    for partition in ("iid", "dirichlet"):
+    for partition in partitions if table else []:
         fed, loc = table[f"{partition} fedhe"]["per_arch"], table[f"{partition} local"]["per_arch"]
         print(f"  {partition}: FedHe - Local per architecture: " + ", ".join(f"{a.split('(')[0]} {fed[a] - loc[a]:+.3f}" for a in fed))
     if variants:
-        print(f"\nDirichlet(0.5), seed {seeds[0]}: FedHe as the preset {table['dirichlet fedhe']['finals'][0]:.4f}, "
-              f"Local-only {table['dirichlet local']['finals'][0]:.4f}")
+        print(f"\nDirichlet(0.5), seed {seeds[0]}, FedHe with one change:")
         for label, row in variants.items():
             print(f"  {label:40} {row['final']:.4f}")
-    path = save("fedhe_paper_regime", {"updates": args.updates, "seeds": seeds, "table": table, "variants": variants, "curves": curves})
+    name = "fedhe_paper_regime" + (f"-{args.tag}" if args.tag else "")
+    path = save(name, {"updates": args.updates, "seeds": seeds, "table": table, "variants": variants, "curves": curves})
     print(f"saved {path}")
-    _plot(curves, RESULTS / "fedhe_paper_regime.png")
+    if curves:
+        _plot(curves, RESULTS / f"fedhe_paper_regime{'-' + args.tag if args.tag else ''}.png")
 
 
 def _plot(curves: dict, out) -> None:
@@ -108,7 +114,7 @@ def _plot(curves: dict, out) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, partition in zip(axes, ("iid", "dirichlet")):
+    for ax, partition in zip(axes, ("iid", "dirichlet")):  # an empty panel for a partition not run here
         for label, curve in curves.items():
             if f" {partition} " in label:
                 ax.plot([u for u, _ in curve], [a for _, a in curve], color="C0" if label.startswith("fedhe") else "C1",
