@@ -248,3 +248,46 @@ def test_the_fedhe_paper_preset_is_asynchronous_one_client_at_a_time():
     assert cfg.mode == "async" and cfg.asynchronous.concurrency == 1
     assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.lr, cfg.train.optimizer) == (3, 50, 1e-3, "adam")
     assert len(cfg.fleet.groups) == 10 and cfg.method.name == "fedhe"
+
+
+def test_uploads_that_are_not_a_device_s_current_work_are_refused_and_a_resend_gets_the_same_answer():
+    from edgefl.messages import encode
+    from edgefl.sim import Simulation
+    from edgefl.transport.base import Delivery
+    from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
+
+    sim = Simulation(async_config("fedhe", rounds=3), show_progress=False)
+    orch = sim.session.orchestrator
+    orch.wait_for_devices(1.0)
+    loop = orch.async_loop
+    sent: list[tuple[str, Envelope]] = []
+    real_send = sim.network.send
+    sim.network.send = lambda device, data: (sent.append((device, unpack(data, 1 << 20))), real_send(device, data))[1]
+    loop.fill()
+    ticket = loop.tickets["client-0"]
+
+    def upload(round_no: int) -> Envelope:
+        message = Message("class_logits", round_no, "client-0", {
+            "logits": torch.zeros(1, 10), "classes": torch.tensor([3]), "counts": torch.tensor([5])}, {"num_samples": 50})
+        body = encode(message)
+        env = Envelope("upload", orch.federation, round_no, "client-0", body, message.message_id, model_version=round_no,
+                       codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)})
+        sent.clear()
+        orch.handle(Delivery("message", "client-0", pack(env)))
+        (reply,) = [e for d, e in sent if d == "client-0" and e.type in ("ack", "nack")]
+        return reply
+
+    wrong = upload(ticket.number + 50)
+    assert wrong.type == "nack" and "not client-0's current work" in wrong.extra["reason"]
+    assert loop.tickets["client-0"] is ticket  # a refused stranger's upload does not end the real work
+    message = Message("class_logits", ticket.number, "client-0", {
+        "logits": torch.zeros(1, 10), "classes": torch.tensor([3]), "counts": torch.tensor([5])}, {"num_samples": 50})
+    env = Envelope("upload", orch.federation, ticket.number, "client-0", encode(message), message.message_id,
+                   model_version=ticket.number, codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)})
+    for expected in ("accepted", "duplicate"):
+        sent.clear()
+        orch.handle(Delivery("message", "client-0", pack(env)))
+        (reply,) = [e for d, e in sent if d == "client-0" and e.type in ("ack", "nack")]
+        assert reply.type == "ack" and reply.extra["status"] == expected
+        assert reply.extra["info"]["staleness"] == 0
+    assert loop.version == 1
