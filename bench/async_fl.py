@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from common import RESULTS, load, run_config, save
+from common import RESULTS, load, run_config, save, save_figure
 
 FLEET = [  # each class the kind of model it would get (edgefl assign), small enough for this CPU
     {"profile": "android-midrange", "count": 2, "model": "fedhe-cnn-5", "options": {"width": 0.25}},
@@ -170,11 +170,7 @@ def _plot(results: dict, out: Path) -> Path:
         ax.set(title=f"{method}: accuracy over virtual time", xlabel="virtual seconds", ylabel="test accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 if __name__ == "__main__":

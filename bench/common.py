@@ -67,7 +67,15 @@ def plot_curves(curves: dict[str, tuple[list, list]], title: str, ylabel: str, o
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, out)
+
+
+def save_figure(fig, out: Path) -> Path:
+    """Lay out, write (folders made) and close a benchmark's figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -14,7 +14,7 @@ import argparse
 import copy
 import time
 
-from common import RESULTS, load, mean_std, run_config, save
+from common import RESULTS, load, mean_std, run_config, save, save_figure
 
 from edgefl.config import preset_text
 
@@ -126,10 +126,7 @@ def _plot(curves: dict, out) -> None:
                ylabel="mean device accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,23 @@ import numpy as np
 import torch
 
 from edgefl.config import AsyncSettings
-from edgefl.messages import Message, encode
+from edgefl.messages import Message
 from edgefl.seeding import derive_seed
 from edgefl.server.methods.base import Receipt
 from edgefl.server.rejections import Rejections
 from edgefl.transport.envelope import Envelope
+
+
+def traffic_fields(bytes_up: dict[str, int], bytes_down: dict[str, int], control: int, train_loss: dict[str, float]) -> dict[str, Any]:
+    """The traffic and loss fields every metrics record carries, synchronous or not."""
+    return {
+        "bytes_up": sum(bytes_up.values()),
+        "bytes_down": sum(bytes_down.values()),
+        "bytes_up_per_client": dict(sorted(bytes_up.items())),
+        "bytes_down_per_client": dict(sorted(bytes_down.items())),
+        "bytes_control": control,
+        "train_loss": dict(sorted(train_loss.items())),
+    }
 
 
 def staleness_discount(staleness: int, exponent: float) -> float:
@@ -216,17 +228,15 @@ class AsyncLoop:
         o = self.o
         self.counter += 1
         number = self.counter
-        down = o.server.downlink(number, device)
-        body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
         info: dict[str, Any] = {"run": o.run_id, "mode": "async", "version": self.version}
         if o.evaluator.devices_report(o.server) and (self.settings.device_accuracy == "every_report" or device not in self.asked):
             info["evaluate"] = True  # its report carries its accuracy (the run is judged by them)
             self.asked.add(device)
-        env = Envelope("download", o.federation, number, "server", body, model_version=number, codec=codec, extra={"info": info})
-        self.tickets[device] = Ticket(number, self.version, self.aggregator.handed_out(device), o.transport.now(), env)
-        sent = o._send(device, env)
-        if down is not None:
-            self.window.bytes_down[device] += len(body)
+        start = self.aggregator.handed_out(device)  # before sending: the weights this download carries
+        env, body_bytes, sent = o.send_download(device, number, {"info": info})
+        self.tickets[device] = Ticket(number, self.version, start, o.transport.now(), env)
+        if body_bytes is not None:
+            self.window.bytes_down[device] += body_bytes
         else:
             self.window.bytes_control += sent
 
@@ -337,12 +347,7 @@ class AsyncLoop:
             "late": w.late,
             "rejected": w.rejected.summary(),
             "receipts": {},
-            "bytes_up": sum(w.bytes_up.values()),
-            "bytes_down": sum(w.bytes_down.values()),
-            "bytes_up_per_client": dict(sorted(w.bytes_up.items())),
-            "bytes_down_per_client": dict(sorted(w.bytes_down.items())),
-            "bytes_control": w.bytes_control,
-            "train_loss": dict(sorted(w.train_loss.items())),
+            **traffic_fields(w.bytes_up, w.bytes_down, w.bytes_control, w.train_loss),
             "accuracy": accuracy,
             "server": self.aggregator.last_facts,
             "round_time_s": round(train_s + eval_s, 4),
@@ -361,15 +366,7 @@ class AsyncLoop:
         idle = [d for d in o.device_ids if d not in self.tickets and o.online.get(d) and d in o.evaluator.judged]
         if not idle:
             return
-        o._evaluation, o._asked = {}, set(idle)
-        for device in idle:
-            o._send(device, Envelope("evaluate", o.federation, self.version, "server", b"", model_version=self.version,
-                                     codec="none", extra={"info": {"run": o.run_id}}))
-        deadline = o.transport.now() + o.deadline_s
-        while set(o._evaluation) < set(idle) and o.transport.now() < deadline:
-            o._pump(min(deadline - o.transport.now(), 1.0))
-        answers, o._evaluation = o._evaluation, None
-        for device, accuracy in answers.items():
+        for device, accuracy in o._ask_devices(self.version, idle, with_model=False).items():
             o.evaluator.device_reported(device, accuracy)
 
     # --- the whole run --------------------------------------------------------------------------

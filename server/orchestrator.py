@@ -33,7 +33,7 @@ from edgefl.errors import PayloadError
 from edgefl.messages import RUNNER_KINDS, Message, decode, encode
 from edgefl.methods import MethodSpec
 from edgefl.seeding import derive_seed
-from edgefl.server.asynchronous import AsyncLoop
+from edgefl.server.asynchronous import AsyncLoop, traffic_fields
 from edgefl.server.evaluation import Evaluator
 from edgefl.server.rejections import Rejections
 from edgefl.server.upload_checks import upload_problem
@@ -152,6 +152,15 @@ class Orchestrator:
         for p in pieces:
             self.transport.send(device, p)
         return sum(len(p) for p in pieces)
+
+    def send_download(self, device: str, number: int, extra: dict[str, Any]) -> tuple[Envelope, int | None, int]:
+        """Send ``device`` the server half's download numbered ``number`` (a round, or an
+        asynchronous run's download count): (the envelope, its body's bytes or None when the
+        method sends nothing, the bytes sent)."""
+        down = self.server.downlink(number, device)
+        body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
+        env = Envelope("download", self.federation, number, "server", body, model_version=number, codec=codec, extra=extra)
+        return env, (len(body) if down is not None else None), self._send(device, env)
 
     def _reply(self, device: str, to: Envelope, kind: str, **extra: Any) -> None:
         env = Envelope(kind, self.federation, to.round, "server", reply_to=to.message_id,
@@ -473,13 +482,9 @@ class Orchestrator:
         # devices judge their own models only when no global model will judge them
         info = {"info": {"run": self.run_id, **({"evaluate": True} if evaluate and self.evaluator.devices_report(self.server) else {})}}
         for device in selected:
-            down = self.server.downlink(r, device)
-            body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
-            env = st.downloads[device] = Envelope("download", self.federation, r, "server", body, model_version=r, codec=codec,
-                                                  extra=info)
-            sent = self._send(device, env)
-            if down is not None:
-                st.bytes_down[device] = len(body)
+            st.downloads[device], body_bytes, sent = self.send_download(device, r, info)
+            if body_bytes is not None:
+                st.bytes_down[device] = body_bytes
             else:
                 st.bytes_control += sent
         self.on_event("round", {"round": r, "selected": selected, "deadline_unix": time.time() + self.deadline_s})
@@ -575,11 +580,13 @@ class Orchestrator:
             answers = self._ask_devices(r, targets)
         return self.evaluator.evaluate(self.server, answers)
 
-    def _ask_devices(self, r: int, targets: list[str]) -> dict[str, float]:
+    def _ask_devices(self, r: int, targets: list[str], with_model: bool = True) -> dict[str, float]:
+        """Send ``targets`` an evaluate request (carrying what a download of round r + 1 would,
+        or nothing: judge the model you hold) and collect their accuracies until the deadline."""
         self._evaluation = {}
         self._asked = set(targets)
         for device in targets:
-            down = self.server.downlink(r + 1, device)
+            down = self.server.downlink(r + 1, device) if with_model else None
             body, codec = (encode(down), "safetensors") if down is not None else (b"", "none")
             self._send(device, Envelope("evaluate", self.federation, r, "server", body, model_version=r, codec=codec,
                                         extra={"info": {"run": self.run_id}}))
@@ -620,12 +627,7 @@ class Orchestrator:
             "rejected": st.rejected.summary(),
             "extended": st.extended,
             "receipts": receipts,
-            "bytes_up": sum(st.bytes_up.values()),
-            "bytes_down": sum(st.bytes_down.values()),
-            "bytes_up_per_client": dict(sorted(st.bytes_up.items())),
-            "bytes_down_per_client": dict(sorted(st.bytes_down.items())),
-            "bytes_control": st.bytes_control,
-            "train_loss": dict(sorted(st.train_loss.items())),
+            **traffic_fields(st.bytes_up, st.bytes_down, st.bytes_control, st.train_loss),
             "accuracy": accuracy,
             "server": server_record,
             "round_time_s": round(wall_s, 4),
