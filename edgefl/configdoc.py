@@ -24,6 +24,8 @@ END = "<!-- end of generated reference -->"
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # Whole (a strict integer) inside a union: the type it annotates
+        return _type_name(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f'"{a}"' if isinstance(a, str) else str(a) for a in args)
     if origin in (typing.Union, types.UnionType):

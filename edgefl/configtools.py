@@ -66,12 +66,27 @@ def format_validation_error(exc: ValidationError, root: type[BaseModel], prefix:
     return "\n".join(lines)
 
 
+BOM = b"\xef\xbb\xbf"
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML file: UTF-8 (whatever the locale says), no byte order mark; every problem is a
+    ConfigError naming the file and, for bad bytes, where they are."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    if data.startswith(BOM):  # tomllib reports only "Invalid statement (at line 1, column 1)"
+        raise ConfigError(f"{path} starts with a UTF-8 byte order mark (BOM, bytes EF BB BF), which TOML does not allow",
+                          hint="save the file as UTF-8 without BOM (most editors: encoding 'UTF-8', not 'UTF-8 with BOM')")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(f"{path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at line {line}, column {column} (offset "
+                          f"{exc.start}) is {exc.reason}", hint="TOML files are UTF-8: re-save the file as UTF-8") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -28,6 +28,8 @@ runs blocking over MQTT (:meth:`run`) and stepped by the simulation's in-memory 
 from __future__ import annotations
 
 import logging
+import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +44,12 @@ from edgefl.messages import Message, decode, encode
 from edgefl.transport.base import Delivery, DeviceTransport
 from edgefl.transport.chunks import Reassembler, split
 from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
+from edgefl.transport.signing import EVERYONE, Verifier, signed_header
+from edgefl.safetext import printable
+from edgefl.tensorchecks import bounded_problem, nonfinite_problem
+
+MAX_SEEN_IDS = 10_000  # signed server message ids remembered to refuse replays
+REFUSALS_LOGGED = 20  # refusals a minute logged one by one; the rest are counted
 
 log = logging.getLogger("edgefl.device")
 
@@ -71,7 +79,7 @@ class _Pending:
 class DeviceLoop:
     def __init__(self, client: ClientHalf, transport: DeviceTransport, federation: str, network: NetworkSettings,
                  x_test: torch.Tensor | None = None, y_test: torch.Tensor | None = None, eval_batch_size: int = 1000,
-                 state: DeviceStateStore | None = None) -> None:
+                 state: DeviceStateStore | None = None, verifier: Verifier | None = None) -> None:
         self.client = client
         self.device = client.client_id
         self.transport = transport
@@ -79,7 +87,7 @@ class DeviceLoop:
         self.net = network
         self.x_test, self.y_test = x_test, y_test
         self.eval_batch_size = eval_batch_size
-        self.reassembler = Reassembler(network.max_message_bytes, network.stale_upload_s)
+        self.reassembler = Reassembler(network.max_message_bytes, network.stale_upload_s, max_age_s=network.partial_age_limit_s())
         self.handled: set[str] = set()  # download / evaluate message ids already acted on
         self.served: dict[int, Envelope] = {}  # round -> the upload sent for it (the last two rounds)
         self.pending: dict[str, _Pending] = {}  # upload id -> waiting for its ack
@@ -94,6 +102,11 @@ class DeviceLoop:
         #: set by a simulation that trains several devices' downloads together: called with a
         #: download; True means it took it and will call :meth:`complete` with the trained upload
         self.fit_later: Callable[[DeviceLoop, Envelope], bool] | None = None
+        #: the server's public key: unsigned, misaddressed or wrongly signed server messages are refused
+        self.verifier = verifier
+        self._seen_signed: OrderedDict[str, None] = OrderedDict()  # ids of signed server messages (replays refused)
+        self.refused = 0  # server messages refused (malformed, unsigned, out of bounds...)
+        self._refusal_window = [-math.inf, 0]  # [start of the minute, refusals in it]
 
     def restore(self) -> int | None:
         """Load the saved state, when there is one (returns its round; None: none). It is applied
@@ -130,18 +143,61 @@ class DeviceLoop:
 
     # --- incoming -----------------------------------------------------------------------------
     def handle(self, item: Delivery) -> None:
-        """Act on one delivery. Never raises on what the network brings: bad input (a malformed
-        envelope, chunk or message body, wherever it shows) is logged and dropped."""
+        """Act on one delivery. Never raises on what the network brings: bad input (a malformed,
+        unsigned or out-of-bounds envelope, chunk or message body, wherever it shows) is logged
+        and dropped, and the device goes on."""
         try:
             self._handle(item)
         except PayloadError as exc:
-            log.warning("%s: ignoring a malformed message on %s: %s", self.device, item.where or item.channel, str(exc)[:300])
+            self.refused += 1
+            if self._loud():
+                log.warning("%s: refusing a message on %s: %s", self.device, printable(item.where or item.channel, 120), printable(str(exc)))
+        except Exception:  # a case no check foresaw: the device must outlive any message
+            self.refused += 1
+            if self._loud():
+                log.exception("%s: could not act on a message on %s; ignored", self.device, printable(item.where or item.channel, 120))
+
+    def _loud(self) -> bool:
+        """Whether a refusal gets its own log line: the first REFUSALS_LOGGED in each minute do,
+        the rest are counted in one line when the minute is over (a flood of forgeries must not
+        fill a Pi's log or block on a slow one)."""
+        now = self.transport.now()
+        if now - self._refusal_window[0] >= 60.0:
+            quiet = self._refusal_window[1] - REFUSALS_LOGGED
+            if quiet > 0:
+                log.warning("%s: %d more messages refused in the last minute (%d refused in all)", self.device, quiet, self.refused)
+            self._refusal_window = [now, 0]
+        self._refusal_window[1] += 1
+        return self._refusal_window[1] <= REFUSALS_LOGGED
+
+    def _verify(self, item: Delivery) -> None:
+        """With the server's key: the message must be signed by it, for this device (or everyone,
+        on the announcement channel), and not seen before."""
+        assert self.verifier is not None
+        header = signed_header(item.payload)
+        if header is None:
+            raise PayloadError("a server message whose header does not parse")
+        announcement = item.channel == "announcement"
+        self.verifier.check(item.payload, header, EVERYONE if announcement else self.device)
+        if not announcement and header.get("to") != self.device:
+            raise PayloadError("a message for everyone on this device's own topic: refused")
+        message_id = header.get("message_id")
+        if not announcement and isinstance(message_id, str):
+            if message_id in self._seen_signed:
+                raise PayloadError(f"replay of server message {printable(message_id, 64)} refused")
+            self._seen_signed[message_id] = None
+            while len(self._seen_signed) > MAX_SEEN_IDS:
+                self._seen_signed.popitem(last=False)
 
     def _handle(self, item: Delivery) -> None:
+        if self.verifier is not None:
+            self._verify(item)
         env = unpack(item.payload, self.net.max_message_bytes)
         if env.sender != "server":
-            log.warning("%s: ignoring a message from %r", self.device, env.sender)
+            log.warning("%s: ignoring a message from %r", self.device, printable(env.sender, 64))
             return
+        if env.federation != self.federation:
+            raise PayloadError(f"a message of federation {printable(env.federation, 64)!r}, not {self.federation!r}")
         self._adopt_run(env)
         if item.channel == "announcement":
             self._announcement(env)
@@ -150,7 +206,10 @@ class DeviceLoop:
             whole = self.reassembler.add(env)
             if whole is None:
                 return
+            # a whole rebuilt from chunks that each verified is the server's (no signature of its own)
             env = unpack(whole, self.net.max_message_bytes)
+            if env.sender != "server" or env.federation != self.federation:
+                raise PayloadError("a chunked message that is not the server's of this federation")
             self._adopt_run(env)
         if env.type == "download":
             self._serve(env)
@@ -176,25 +235,51 @@ class DeviceLoop:
 
     # --- acting ---------------------------------------------------------------------------------
     def downlink(self, env: Envelope) -> Message | None:
-        return decode(env.body, self.net.max_message_bytes) if env.codec == "safetensors" else None
+        """The message a download or evaluate request carries, checked before anything uses it:
+        its fields against its envelope, every value finite and within ``max_abs_value``, and
+        the method's own expectations (names, dtypes, shapes; :meth:`ClientHalf.downlink_problem`)."""
+        if env.codec != "safetensors":
+            return None
+        message = decode(env.body, self.net.max_message_bytes)
+        if message.sender != "server":
+            raise PayloadError(f"the message inside names sender {printable(message.sender, 64)!r}, not the server")
+        problem = bounded_problem(message.tensors, self.net.max_abs_value) or self.client.downlink_problem(message)
+        if problem:
+            raise PayloadError(f"the server's {env.type} for round {env.round} is not one this device can use: {problem}")
+        return message
 
     def _serve(self, env: Envelope) -> None:
         if env.message_id in self.handled:
             return
-        self.handled.add(env.message_id)
         r = env.round
         if r in self.served:  # trained already: the same upload, same id (a duplicate is harmless)
+            self.handled.add(env.message_id)
             self._send(self.served[r])
             return
+        downlink = self.downlink(env)  # refused here (PayloadError) before it is marked handled: a good copy may follow
+        self.handled.add(env.message_id)
         if self.fit_later is not None and self.fit_later(self, env):
             return  # the simulation trains this download with others, then calls complete()
-        self.complete(env, self.fit(env))
+        self.complete(env, self.fit(env, downlink))
 
-    def fit(self, env: Envelope) -> Message:
-        """Run the client half on one download: what it shares."""
-        message = self.client.fit(self.downlink(env), env.round)
-        if message is None:  # a client half with nothing to share still reports that it trained
-            message = self.client.reply("status", env.round, {})
+    def fit(self, env: Envelope, downlink: Message | None = None) -> Message:
+        """Run the client half on one download: what it shares. Whatever the download held, the
+        model never leaves this call non-finite: a training that ends so (or fails) is undone and
+        the download refused."""
+        downlink = self.downlink(env) if downlink is None else downlink
+        before = self.client.carry_state()
+        try:
+            message = self.client.fit(downlink, env.round)
+            if message is None:  # a client half with nothing to share still reports that it trained
+                message = self.client.reply("status", env.round, {})
+            problem = nonfinite_problem(self.client.model.state_dict(), "the model after training") \
+                or nonfinite_problem(message.tensors, "the upload")
+        except (RuntimeError, ValueError, IndexError, KeyError, TypeError, PayloadError) as exc:
+            problem = f"training on it failed: {type(exc).__name__}: {str(exc)[:200]}"
+        if problem:
+            self.client.load_carry_state(before)
+            self.handled.discard(env.message_id)
+            raise PayloadError(f"round {env.round}: the model was restored and the download refused ({problem})")
         return message
 
     def complete(self, env: Envelope, message: Message) -> None:
@@ -224,8 +309,14 @@ class DeviceLoop:
     def _evaluate(self, env: Envelope) -> None:
         if env.message_id in self.handled:
             return
+        downlink = self.downlink(env)
         self.handled.add(env.message_id)
-        self.client.receive(self.downlink(env))
+        before = self.client.carry_state()
+        try:
+            self.client.receive(downlink)
+        except (RuntimeError, ValueError, IndexError, KeyError, TypeError, PayloadError) as exc:
+            self.client.load_carry_state(before)
+            raise PayloadError(f"an evaluate request the model cannot take: {type(exc).__name__}: {str(exc)[:200]}") from None
         meta = {"num_samples": self.client.num_test_samples(self.y_test), "eval_accuracy": self._accuracy()}
         message = Message("evaluation", env.round, self.device, {}, meta)
         self._send(Envelope("upload", self.federation, env.round, self.device, encode(message), message.message_id,
@@ -259,7 +350,11 @@ class DeviceLoop:
 
     def tick(self) -> None:
         """Resend every upload left unanswered past its wait, doubling the wait (at most 120 s):
-        the server or the broker may be busy or restarting."""
+        the server or the broker may be busy or restarting. Partial downloads that stopped
+        arriving are dropped (the server sends a download again when the device comes back)."""
+        for _, upload_id, _, dropped in self.reassembler.collect_stale():
+            if dropped:
+                log.warning("%s: dropped partial download %s (stopped arriving)", self.device, printable(upload_id, 64))
         now = self.transport.now()
         for pending in list(self.pending.values()):
             if now - pending.sent_at >= pending.wait_s:

@@ -26,9 +26,16 @@ class DataError(EdgeflError):
 class PayloadError(EdgeflError):
     """A message that cannot be decoded safely (bad header, size, dtype...).
 
-    ``message_id``: the id of the envelope whose header parsed before the problem showed (a bad
-    body length or SHA-256), so a refusal can still answer it; None when even the header failed."""
+    ``message_id``: the id of the envelope whose header parsed before the problem showed (a field
+    rule broken, a bad body length or SHA-256), so a refusal can still answer it; None when even
+    the header failed or held no usable id. ``round_no``: that header's round, when it held a valid one."""
 
-    def __init__(self, message: str, hint: str | None = None, message_id: str | None = None) -> None:
+    def __init__(self, message: str, hint: str | None = None, message_id: str | None = None,
+                 round_no: int | None = None) -> None:
         super().__init__(message, hint)
         self.message_id = message_id
+        self.round_no = round_no
+
+
+class BrokerUnreachable(EdgeflError):
+    """The MQTT broker could not be reached or did not accept the connection (yet)."""

@@ -45,7 +45,7 @@ class Deployment:
 
 def _broker_config(out: Path, port: int) -> subprocess.CompletedProcess:
     return subprocess.run([*EDGEFL, "broker-config", "--devices", str(len(DEVICES)), "--federation", FEDERATION,
-                           "--port", str(port), "--hostname", "localhost", "--out", str(out)],
+                           "--port", str(port), "--hostname", "localhost", "--bind", "127.0.0.1", "--out", str(out)],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -169,6 +169,40 @@ def test_a_device_reads_the_rounds_and_only_its_own_topics(deployment):
         assert server.received_until(b"sentinel") == [(t.rounds, b"round for everybody")]
     finally:
         dev.stop()
+        server.stop()
+
+
+def test_a_last_will_on_another_devices_presence_never_reaches_the_server(deployment):
+    """docs/PROTOCOL.md (presence): presence is trusted because, under the generated ACL, only the
+    device itself (and the server) may write presence/<device>; a will set by another device's
+    connection is refused at CONNECT or dropped when the broker publishes it."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    t = Topics(FEDERATION)
+    server = Peer(deployment, SERVER_USER, [t.all_up, t.all_presence])
+    forger = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="acl-will-client-0", protocol=mqtt.MQTTv5)
+    forger.username_pw_set("client-0", deployment.credentials["client-0"])
+    forger.tls_set(ca_certs=str(deployment.ca))
+    forger.will_set(t.presence("client-1"), b"offline", qos=1, retain=False)
+    answered = threading.Event()
+    forger.on_connect = lambda *args: answered.set()
+    dev = None
+    try:
+        forger.connect("127.0.0.1", deployment.port, clean_start=True)
+        forger.loop_start()
+        answered.wait(10)
+        if forger.is_connected():  # disconnect "with will message" (MQTT 5 reason 0x04): the broker publishes the will
+            forger.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))
+        time.sleep(0.5)
+        dev = Peer(deployment, "client-0", [])
+        dev.publish(t.up("client-0"), b"sentinel")
+        assert server.received_until(b"sentinel") == []
+    finally:
+        forger.loop_stop()
+        if dev is not None:
+            dev.stop()
         server.stop()
 
 

@@ -293,9 +293,9 @@ def test_the_reassembler_raises_only_payload_error_and_never_holds_more_than_dec
 @given(st.one_of(st.binary(max_size=300),
                  st.dictionaries(st.sampled_from(["type", "round", "sender", "codec", "chunk", "tensors", "info", "reply_to"]),
                                  json_values, max_size=4).map(lambda ch: raw_envelope(valid_header(b"", **ch)))),
-       st.sampled_from(["client-0", "client-1", "stranger", "client-0\n"]),
+       st.sampled_from(["client-0", "client-1", "stranger", "client-0\n", "client[/]", "client-1\n[/]"]),
        st.booleans())
-def test_the_round_loop_never_raises_and_answers_its_own_devices(sim, payload, device, retained):
+def test_the_round_loop_never_raises_and_answers_its_own_devices(sim, printed, payload, device, retained):
     st_ = open_round(sim)
     sim.network._inbox.setdefault("client-0", []).clear()
     sim.session.orchestrator.handle(Delivery("message", device, payload, retained=retained))
@@ -303,6 +303,7 @@ def test_the_round_loop_never_raises_and_answers_its_own_devices(sim, payload, d
         answers = replies(sim)
         assert answers and answers[-1].type in ("nack", "ack")
     assert st_.round == 2
+    assert printed[1] == []  # every refusal reached the console printer without breaking it
 
 
 def test_the_device_loop_drops_whatever_malformed_the_network_brings(sim):
@@ -313,3 +314,92 @@ def test_the_device_loop_drops_whatever_malformed_the_network_brings(sim):
                      extra={"chunk": {"upload_id": "u1", "seq": 0, "count": 1, "total_length": 1, "total_sha256": "0" * 64}})
     for payload in (b"junk", pack(bad_body), pack(chunk), raw_envelope("[" * 40 + "]" * 40)):
         loop.handle(Delivery("message", "server", payload))
+
+
+# --- untrusted strings on the console ---------------------------------------------------------------
+HOSTILE_TEXT = ["[/]", "[bold]x[/bold]", "a\nrejected from client-1: FAKE", "\x1b[2J", "x\\"]
+
+
+@pytest.fixture()
+def printed(sim):
+    """The console printer of `edgefl server` and `edgefl fleet` on the round loop's events, writing
+    into a buffer. A printer that raises is recorded: inside handle() it would only turn into a
+    nack ("could not handle this message"), in the round loop's pump it would end the server."""
+    import io
+
+    from rich.console import Console
+
+    from edgefl.cli import _fleet_printer
+
+    buffer = io.StringIO()
+    printer = _fleet_printer(Console(file=buffer, width=2000, color_system=None), 3, None, 4)
+    failures: list[Exception] = []
+
+    def on_event(kind: str, info: dict) -> None:
+        try:
+            printer(kind, info)
+        except Exception as exc:
+            failures.append(exc)
+            raise
+
+    orchestrator = sim.session.orchestrator
+    before, orchestrator.on_event = orchestrator.on_event, on_event
+    yield buffer, failures
+    orchestrator.on_event = before
+
+
+def assert_printed_safely(buffer, failures: list[Exception]) -> str:
+    text = buffer.getvalue()
+    assert failures == []
+    assert not [line for line in text.splitlines() if not line.startswith("  ")], text  # no fake line of its own
+    assert "\x1b" not in text
+    return text
+
+
+@pytest.mark.parametrize("name", HOSTILE_TEXT)
+def test_a_hostile_tensor_name_is_refused_and_printed_escaped(sim, printed, name):
+    message = weights(sim)
+    first = next(iter(message.tensors))
+    message.tensors = {(name if k == first else k): v for k, v in message.tensors.items()}
+    reason = refusal(sim, upload(message))
+    assert "could not handle" not in reason
+    assert_printed_safely(*printed)
+
+
+@pytest.mark.parametrize("device", ["client[/]", "client-0\n[/]", "[bold]client", "client-0\x1b[2J"])
+def test_a_hostile_device_id_is_counted_and_printed_escaped(sim, printed, device):
+    open_round(sim)
+    sim.session.orchestrator.handle(Delivery("message", device, b"anything"))
+    text = assert_printed_safely(*printed)
+    assert "is not in this federation's config" in text
+
+
+@pytest.mark.parametrize("upload_id", ["[/]", "u\nrejected from client-1: FAKE", "[red]u"])
+def test_a_stale_partial_with_a_hostile_upload_id_reaches_the_console_escaped(sim, printed, monkeypatch, upload_id):
+    """The attack of issue 33: one chunk whose upload id is "[/]", left to go stale, made the
+    round loop's pump raise MarkupError and ended the server."""
+    open_round(sim)
+    orchestrator = sim.session.orchestrator
+    monkeypatch.setattr(orchestrator, "reassembler", Reassembler(LIMIT))  # only this test's partial goes stale
+    monkeypatch.setattr(orchestrator.transport, "receive", lambda timeout_s: None)  # the pump's stale check alone, devices idle
+    chunk = Envelope("chunk", "test-fedavg", 2, "client-0", b"z" * 4096, codec="none", model_version=2,
+                     extra={"chunk": {"upload_id": upload_id, "seq": 0, "count": 2, "total_length": 8192, "total_sha256": "0" * 64}})
+    orchestrator.handle(Delivery("message", "client-0", pack(chunk)))
+    part = orchestrator.reassembler.partial[("client-0", upload_id)]
+    part.touched -= orchestrator.reassembler.stale_s + 1
+    replies(sim)
+    orchestrator._pump(0)  # raised MarkupError before
+    (nack,) = replies(sim)
+    assert nack.type == "nack" and nack.reply_to == upload_id and nack.extra["missing"] == [1]
+    assert "\n" not in nack.extra["reason"]
+    text = assert_printed_safely(*printed)
+    assert "went stale" in text
+
+
+def test_printable_escapes_control_characters_and_bounds_length():
+    from edgefl.safetext import console_text, printable
+
+    assert printable("a\nb\x1b[2J\u202e\ud800") == "a\\x0ab\\x1b[2J\\u202e\\ud800"
+    assert printable("x" * 400, 300) == "x" * 300 + "..."
+    assert printable("client-0") == "client-0" and printable(42) == "42"
+    assert console_text("[/]") == "\\[/]"

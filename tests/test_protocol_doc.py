@@ -203,6 +203,21 @@ def nack_unreadable() -> bytes:
     return pack(Envelope("nack", FED, 1, "server", message_id=ident(0xA), reply_to=None, model_version=1, extra={"reason": reason}))
 
 
+FIELD_RULE_REASON = "unknown header fields ['priority']"
+
+
+def field_rule_upload() -> bytes:
+    """An upload whose header parses but breaks a field rule (an unknown field)."""
+    message = Message("status", 1, DEVICE, {}, {"num_samples": 386, "arch": "mlp", "train_loss": 0.5}, message_id=ident(0x104))
+    return pack(Envelope("upload", FED, 1, DEVICE, encode(message), message.message_id, model_version=1, codec="safetensors",
+                         extra={"tensors": {}, "priority": "high"}))
+
+
+def nack_field_rule() -> bytes:
+    return pack(Envelope("nack", FED, 1, "server", message_id=ident(0xC), reply_to=ident(0x104), model_version=1,
+                         extra={"reason": FIELD_RULE_REASON}))
+
+
 CHUNK_INNER_ID = ident(0x401)
 
 
@@ -246,7 +261,64 @@ def presence_text() -> str:
                       f"online   {spaced(b'online')}", f"offline  {spaced(b'offline')}   (also the last will)"])
 
 
+SIGNING_SEED = bytes(range(32))  # the example key pair's private seed (never use a known seed for a real server)
+
+
+def signed_ack() -> bytes:
+    from edgefl.transport.signing import Signer
+
+    return Signer.from_seed(SIGNING_SEED).sign(ack(), DEVICE)
+
+
+def signed_text() -> str:
+    from edgefl.transport.signing import Signer
+
+    signer = Signer.from_seed(SIGNING_SEED)
+    data = signed_ack()
+    note = (f"The ack above, signed for {DEVICE}. Example key pair: private seed {SIGNING_SEED.hex()},\n"
+            f"public key (what the device holds, server-signing.pub) {signer.public_hex()}.\n"
+            "The signature is the last 64 bytes; it covers every byte before it (prefix, header, body).")
+    text = envelope_text(f"signed ack on {DOWN}", data[:-64], note)
+    return (text + f"\n{len(data) - 64:<6}64    Ed25519 signature\n" + "\n".join("      " + line[6:] for line in hexdump(data[-64:]))
+            + f"\n(the whole message: {len(data)} bytes)")
+
+
+def join_hello() -> bytes:
+    return pack(Envelope("join", FED, 0, DEVICE, message_id=ident(0x301), extra={"info": {"stage": "hello"}}))
+
+
+def task_message() -> bytes:
+    from edgefl.config import NetworkSettings, TrainSettings
+    from edgefl.task import Task, TaskData, TaskMethod, TaskModel
+
+    task = Task(run="5e1f0c2a9b3d4e6f", federation=FED, device=DEVICE, seed=0, rounds=20, method=TaskMethod(name="fedhe", options={}),
+                model=TaskModel(name="cnn-small", options={}, arch="cnn-small"),
+                data=TaskData(kind="image", class_names=["T-shirt/top", "Trouser", "Pullover"], input_shape=[1, 28, 28], pixel_divisor=255.0,
+                              validation_fraction=0.1),
+                train=TrainSettings(batch_size=32, max_steps=30), network=NetworkSettings(federation=FED))
+    return pack(Envelope("task", FED, 0, "server", message_id=ident(0x302), reply_to=ident(0x301),
+                         extra={"info": {"run": task.run, "task": task.to_info()}}))
+
+
+def join_ready() -> bytes:
+    return pack(Envelope("join", FED, 0, DEVICE, message_id=ident(0x303),
+                         extra={"info": {"stage": "ready", "run": "5e1f0c2a9b3d4e6f", "samples": 120, "validation": 12,
+                                         "class_counts": [40, 80, 0], "source": "ImageFolder /var/lib/edgefl/data (2 classes, 120 images)"}}))
+
+
+def join_decline() -> bytes:
+    reason = ("/var/lib/edgefl/data holds class folders the federation's task does not know: 'unicorn' "
+              "(the task's classes: T-shirt/top, Trouser, Pullover)")
+    return pack(Envelope("join", FED, 0, DEVICE, message_id=ident(0x304),
+                         extra={"info": {"stage": "decline", "run": "5e1f0c2a9b3d4e6f", "reason": reason}}))
+
+
 EXAMPLES: dict[str, Callable[[], str]] = {
+    "signed-ack": signed_text,
+    "join-hello": lambda: envelope_text(f"join on {UP}: a device that holds its own data asks for its task", join_hello()),
+    "task": lambda: envelope_text(f"task on {DOWN} answering it (a three-class task, for brevity)", task_message()),
+    "join-ready": lambda: envelope_text(f"join on {UP}: the device read its data against the task", join_ready()),
+    "join-decline": lambda: envelope_text(f"join on {UP}: a device whose data does not fit declines", join_decline()),
     "round": lambda: envelope_text(f"round announcement on {ROUND} (retained)", round_announcement()),
     "download-none": lambda: envelope_text(f"download on {DOWN}, a method that sends nothing (local-only), evaluation asked",
                                            download_none()),
@@ -264,6 +336,7 @@ EXAMPLES: dict[str, Callable[[], str]] = {
     "ack-late": lambda: envelope_text(f"ack on {DOWN}: a synchronous method's upload for a round that has closed", ack_late()),
     "nack": lambda: envelope_text(f"nack on {DOWN}: an upload refused", nack()),
     "nack-unreadable": lambda: envelope_text(f"nack on {DOWN}: a message whose envelope header could not be read", nack_unreadable()),
+    "nack-field-rule": lambda: envelope_text(f"nack on {DOWN}: an upload whose header broke a field rule", nack_field_rule()),
     "chunk": chunk_text,
     "nack-missing": lambda: envelope_text(f"nack on {DOWN}: the chunked upload above went stale without chunk 0", nack_missing()),
     "done": lambda: envelope_text(f"the last round announcement on {ROUND} (retained): the run is over", done_announcement()),
@@ -289,6 +362,7 @@ ENVELOPES = {"round": round_announcement, "done": done_announcement, "download-n
              "download-fedhe-first": download_fedhe_first, "download-fedhe": download_fedhe, "evaluate": evaluate_request,
              "upload-status": status_upload, "upload-class-logits": class_logits_upload, "upload-evaluation": evaluation_upload,
              "ack": ack, "ack-late": ack_late, "nack": nack, "nack-unreadable": nack_unreadable, "nack-missing": nack_missing,
+             "nack-field-rule": nack_field_rule,
              "chunk": last_chunk}
 
 
@@ -369,3 +443,110 @@ def test_config_md_documents_every_network_setting_with_its_default():
     for name, value in values.items():
         assert value == NetworkSettings.model_fields[name].default, name
     NetworkSettings.model_validate(values)
+
+
+# --- the server does what the doc says ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served():
+    """A real server (local-only on digits, federation "demo") after round 1, its announcements recorded."""
+    from edgefl.config import validate_config
+    from edgefl.sim import Simulation
+    from tests.conftest import digits_config
+
+    sim = Simulation(validate_config(digits_config("local", rounds=2, network={"federation": FED})), show_progress=False)
+    announced: list[Envelope] = []
+    real = sim.network.announce
+    sim.network.announce = lambda data: (announced.append(unpack(data, 1 << 20)), real(data))[-1]
+    sim.run_round(1)
+    yield sim, announced
+    sim.close()
+
+
+def _server_answer(sim, payload: bytes) -> Envelope:
+    from edgefl.transport.base import Delivery
+
+    inbox = sim.network._inbox[DEVICE]
+    inbox.clear()
+    sim.session.orchestrator.handle(Delivery("message", DEVICE, payload))
+    (reply,) = [unpack(d.payload, 1 << 20) for d in inbox if d.channel == "message"]
+    inbox.clear()
+    return reply
+
+
+def test_the_announcements_carry_the_fields_section_6_1_lists(served):
+    _, announced = served
+    table = set(_rows(PROTOCOL.read_text().split("### 6.1 The announcement")[1].split("### 6.2")[0])) - {"info` field"}
+    start, first = announced[0], announced[1]
+    assert set(first.extra["info"]) == set(table), "the round announcement's info is the table"
+    assert set(start.extra["info"]) == set(table), "so is the one before round 1"
+    assert start.round == 0 and {k: start.extra["info"][k] for k in ("selected", "selected_count", "target", "done")} == \
+        {"selected": [], "selected_count": 0, "target": 0, "done": False}
+
+
+def test_the_server_answers_a_header_that_broke_a_field_rule_as_the_example_shows(served):
+    sim, _ = served
+    reply = _server_answer(sim, field_rule_upload())
+    expected = unpack(nack_field_rule(), 1 << 20)
+    assert {**reply.header(), "message_id": "-"} == {**expected.header(), "message_id": "-"}
+
+
+@pytest.mark.parametrize("change, reply_to, round_no", [
+    ({"status": None}, ident(0x105), 1),  # a null optional field
+    ({"model_version": "1"}, ident(0x105), 1),  # a wrong type
+    ({"round": "7"}, ident(0x105), None),  # a wrong type where the round is: the server's current round instead
+    ({"message_id": 105}, None, 1),  # no usable id: nothing to answer
+])
+def test_every_header_that_parsed_is_answered_with_its_id_when_it_has_one(served, change, reply_to, round_no):
+    sim, _ = served
+    message = Message("status", 1, DEVICE, {}, {"num_samples": 386}, message_id=ident(0x105))
+    env = Envelope("upload", FED, 1, DEVICE, encode(message), message.message_id, model_version=1, codec="safetensors")
+    header = {**env.header(), **change}
+    text = json.dumps(header).encode()
+    reply = _server_answer(sim, struct.pack("<4sBI", b"EDFL", 1, len(text)) + text + env.body)
+    assert reply.type == "nack" and reply.reply_to == reply_to, reply.extra["reason"]
+    assert reply.round == (round_no if round_no is not None else sim.session.orchestrator._model_version())
+
+
+@pytest.mark.parametrize("field, inside, outside", [("round", 2, 1), ("message_id", ident(0x107), ident(0x106)),
+                                                    ("sender", "client-1", DEVICE)])
+def test_a_message_that_disagrees_with_its_envelope_is_refused_naming_the_field_and_both_values(served, field, inside, outside):
+    sim, _ = served
+    values = {"round": 1, "message_id": ident(0x106), "sender": DEVICE, field: inside}
+    message = Message("status", values["round"], values["sender"], {}, {"num_samples": 386}, message_id=values["message_id"])
+    env = Envelope("upload", FED, 1, DEVICE, encode(message), ident(0x106), model_version=1, codec="safetensors")
+    reply = _server_answer(sim, pack(env))
+    assert reply.type == "nack" and reply.reply_to == ident(0x106)
+    assert reply.extra["reason"] == f"the message inside disagrees with its envelope: {field} {inside!r} inside, {outside!r} in the envelope"
+
+
+def test_the_doc_points_to_the_method_options_and_says_late_uploads_stay_unanswered():
+    doc = PROTOCOL.read_text()
+    assert "[methods.md](methods.md)" in doc and (DOCS / "methods.md").is_file()
+    assert "stays unanswered for good" in doc.split("### 6.5")[1].split("### 6.6")[0]
+
+
+def test_the_signed_example_verifies_with_the_documented_public_key_and_nothing_else():
+    from edgefl.errors import PayloadError
+    from edgefl.transport.signing import Signer, Verifier, signed_header
+
+    data = signed_ack()
+    public = Signer.from_seed(SIGNING_SEED).public_hex()
+    assert public in PROTOCOL.read_text()
+    verifier = Verifier.from_hex(public)
+    verifier.check(data, signed_header(data), DEVICE)
+    assert unpack(data, 1 << 20).extra["status"] == "accepted"
+    for bad, why in [(data[:-1] + bytes([data[-1] ^ 1]), "does not verify"), (data.replace(b"accepted", b"accepteD"), "does not verify"),
+                     (ack(), "unsigned")]:
+        with pytest.raises(PayloadError, match=why):
+            verifier.check(bad, signed_header(bad), DEVICE)
+    with pytest.raises(PayloadError, match="addressed to"):
+        verifier.check(data, signed_header(data), "client-1")
+    with pytest.raises(PayloadError, match="does not verify"):
+        Verifier.from_hex(Signer.from_seed(bytes(32)).public_hex()).check(data, signed_header(data), DEVICE)
+
+
+def test_the_task_example_is_a_task_a_device_accepts():
+    from edgefl.task import parse_task
+
+    env = unpack(task_message(), 1 << 20)
+    assert parse_task(env.extra["info"]["task"]).device == DEVICE

@@ -21,6 +21,7 @@ from edgefl.config import TrainSettings
 from edgefl.data.views import View
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed, generator
+from edgefl.tensorchecks import layout_problem, state_layout
 
 
 class MethodOptions(BaseModel):
@@ -161,6 +162,18 @@ class ClientHalf(ABC):
                 prefix = f"{attr}."
                 found = {k.removeprefix(prefix): self.on_device(v) for k, v in tensors.items() if k.startswith(prefix)}
                 setattr(self, attr, found or None)
+
+    def downlink_problem(self, downlink: Message) -> str | None:
+        """Why this device cannot use ``downlink`` (wrong kind, names, dtypes or shapes), or None.
+        Called on every download and evaluate request before :meth:`receive` or :meth:`fit`
+        touches it (values are already checked finite and bounded, and a training that fails or
+        ends non-finite is undone by the device loop). The default accepts what is finite; every
+        built-in method states exactly what it takes (docs/adding-a-method.md)."""
+        return None
+
+    def weights_problem(self, tensors: dict[str, torch.Tensor], what: str = "weights") -> str | None:
+        """Weights sent for this device's model: exactly its state dict's names and shapes."""
+        return layout_problem(tensors, state_layout(self.model.state_dict()), what)
 
     def receive(self, downlink: Message | None) -> None:  # noqa: B027  (optional hook: most methods send nothing to apply)
         """Apply what the server sent without training (before evaluation or before :meth:`fit`)."""

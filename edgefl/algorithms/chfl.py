@@ -31,6 +31,7 @@ from edgefl.algorithms.dkd import chfl_temperature, dkd_loss
 from edgefl.algorithms.fedavg import load_weights
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
+from edgefl.tensorchecks import layout_problem
 from edgefl.seeding import derive_seed
 
 
@@ -69,6 +70,14 @@ class CHFLClient(ClientHalf):
 
     def head_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.head.state_dict().items()}
+
+    def downlink_problem(self, downlink: Message) -> str | None:
+        if downlink.kind != "head":
+            return f"a {downlink.kind!r} download; chfl sends the head"
+        if not downlink.tensors:
+            return None  # nothing averaged yet
+        weight = self.model.head.weight
+        return layout_problem(downlink.tensors, {"weight": (None, tuple(weight.shape)), "bias": (None, (weight.shape[0],))}, "head")
 
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "head" and downlink.tensors:

@@ -34,6 +34,11 @@ def load_weights(model, tensors) -> None:
 
 
 class FedAvgClient(ClientHalf):
+    def downlink_problem(self, downlink: Message) -> str | None:
+        if downlink.kind != "weights":
+            return f"a {downlink.kind!r} download; fedavg sends weights"
+        return self.weights_problem(downlink.tensors)
+
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "weights":
             load_weights(self.model, downlink.tensors)

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from edgefl.algorithms.base import ClientHalf, MethodOptions
 from edgefl.algorithms.batched import BatchPlan
 from edgefl.messages import Message
+from edgefl.tensorchecks import layout_problem
 
 
 class FedHeOptions(MethodOptions):
@@ -89,6 +90,14 @@ class FedHeClient(ClientHalf):
         super().__init__(setup, options)
         self.server_logits: torch.Tensor | None = None
         self.server_mask: torch.Tensor | None = None
+
+    def downlink_problem(self, downlink: Message) -> str | None:
+        if downlink.kind != "class_logits":
+            return f"a {downlink.kind!r} download; fedhe sends class_logits"
+        if not downlink.tensors:
+            return None  # nothing averaged yet (the first round)
+        c = self.setup.num_classes
+        return layout_problem(downlink.tensors, {"logits": (None, (c, c)), "mask": (torch.bool, (c,))}, "class logits")
 
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "class_logits" and "logits" in downlink.tensors:

@@ -1,4 +1,4 @@
-"""FedIN (Wang et al., "Federated Intermediate Layers Learning"), client half.
+"""FedIN (Chan, Jiang, Deng & Ngai, "Federated Intermediate Layers Learning"), client half.
 
 Every zoo classifier is ``extractor -> intermediate -> head``. A FedIN client
 
@@ -115,6 +115,9 @@ class _KeepBatchNormStats:
             self.module.load_state_dict(self.saved, strict=False)
 
 
+MAX_PAIRS = 100_000  # feature pairs a download may carry
+
+
 def split_pairs(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
     """Weights and the (s_in, s_out) batch of a FedIN message."""
     weights = {k: v for k, v in tensors.items() if not k.startswith(PAIRS_PREFIX)}
@@ -129,6 +132,29 @@ class FedINClient(ClientHalf):
         for part in ("extractor", "intermediate", "head"):
             if not hasattr(self.model, part):
                 raise PayloadError(f"FedIN needs a split classifier (extractor -> intermediate -> head); {setup.arch} is not one")
+
+    def downlink_problem(self, downlink: Message) -> str | None:
+        if downlink.kind != "weights":
+            return f"a {downlink.kind!r} download; fedin sends weights"
+        weights, s_in, s_out = split_pairs(downlink.tensors)
+        problem = self.weights_problem(weights)
+        if problem or (s_in is None and s_out is None):
+            return problem
+        if s_in is None or s_out is None:
+            return "feature pairs come as both pairs.s_in and pairs.s_out"
+        if not (s_in.is_floating_point() and s_out.is_floating_point()) or len(s_in) != len(s_out) or not 0 < len(s_in) <= MAX_PAIRS:
+            return f"feature pairs: {len(s_in)} inputs and {len(s_out)} outputs (floating, as many of each, 1-{MAX_PAIRS})"
+        try:  # the pairs must fit this model's intermediate layers, input and output
+            with torch.no_grad():
+                was = self.model.training
+                self.model.eval()
+                out = self.model.intermediate(s_in[:1].float().to(self.device))
+                self.model.train(was)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            return f"pairs.s_in {list(s_in.shape)} does not fit this model's intermediate layers ({str(exc).splitlines()[0][:120]})"
+        if tuple(out.shape[1:]) != tuple(s_out.shape[1:]):
+            return f"pairs.s_out {list(s_out.shape)} does not match the intermediate layers' output {list(out.shape[1:])}"
+        return None
 
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "weights":

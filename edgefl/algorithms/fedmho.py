@@ -89,6 +89,11 @@ class FedMHOClient(ClientHalf):
     def judged(self) -> bool:
         return not is_generator(self.model)
 
+    def downlink_problem(self, downlink: Message) -> str | None:
+        if downlink.kind != "weights":
+            return f"a {downlink.kind!r} download; the server sends weights"
+        return None if is_generator(self.model) else self.weights_problem(downlink.tensors)
+
     def receive(self, downlink: Message | None) -> None:
         if downlink is not None and downlink.kind == "weights" and not is_generator(self.model):
             load_weights(self.model, downlink.tensors)

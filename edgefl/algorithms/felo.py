@@ -36,6 +36,7 @@ from edgefl.algorithms.batched import BatchPlan
 from edgefl.algorithms.fedavg import load_weights
 from edgefl.errors import ConfigError
 from edgefl.messages import Message
+from edgefl.tensorchecks import layout_problem
 
 #: tensor-name prefix of the per-class knowledge inside a message that also carries weights
 KNOWLEDGE = "class."
@@ -130,6 +131,22 @@ class FeloClient(ClientHalf):
         self.server_feats: torch.Tensor | None = None
         self.server_logits: torch.Tensor | None = None
         self.server_mask: torch.Tensor | None = None
+
+    def downlink_problem(self, downlink: Message) -> str | None:
+        if downlink.kind != "class_features":
+            return f"a {downlink.kind!r} download; felo and velo send class_features"
+        t = downlink.tensors
+        problem = self.weights_problem({k: v for k, v in t.items() if not k.startswith(KNOWLEDGE)})
+        knowledge = {k: v for k, v in t.items() if k.startswith(KNOWLEDGE)}
+        if problem or not knowledge:
+            return problem
+        c, f = self.setup.num_classes, self.options.feature_dim  # type: ignore[attr-defined]
+        feats = knowledge.get(KNOWLEDGE + "features")
+        # [C, F] means per class; Felo's [C, 1, F] and Velo's [C, K, F] carry K generated features per class
+        fits = feats is not None and feats.shape[0] == c and feats.shape[-1] == f and (feats.dim() == 2 or (feats.dim() == 3 and feats.shape[1] <= 10_000))
+        shape = tuple(feats.shape) if fits else (c, f)
+        return layout_problem(knowledge, {KNOWLEDGE + "features": (None, shape), KNOWLEDGE + "logits": (None, (c, c)),
+                                          KNOWLEDGE + "mask": (torch.bool, (c,))}, "class knowledge")
 
     def receive(self, downlink: Message | None) -> None:
         if downlink is None:

@@ -3,7 +3,7 @@
 Writes into one folder:
 
 * ``mosquitto.conf``: a TLS listener (or a plain one with ``--no-tls``, for a closed test
-  network), no anonymous access, the username as client id (so no device can take another's
+  network) on every interface or on the one address ``--bind`` names, no anonymous access, the username as client id (so no device can take another's
   session), persistence, the packet and queue limits the protocol assumes;
 * ``passwords``: one credential per device and one for the server, hashed with mosquitto's own
   ``mosquitto_passwd`` when installed (else the same PBKDF2-SHA512 ``$7$`` format, computed here);
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -47,6 +49,8 @@ class BrokerConfig:
     credentials: Path
     certs: Path | None
     devices: list[str]
+    bind: str | None = None  # the listener's address; None: every interface
+    signing_key: Path | None = None  # the server's Ed25519 key (server-signing.key); devices get server-signing.pub
 
 
 def acl_text(federation: str) -> str:
@@ -69,11 +73,28 @@ def acl_text(federation: str) -> str:
     ])
 
 
-def config_text(directory: Path, port: int, tls: bool, max_packet_bytes: int, devices: int = 0) -> str:
+def check_bind(address: str | None) -> str | None:
+    """``--bind``: an IP address or a host name (one word: it goes into a config line); None or
+    "" for every interface."""
+    if not address:
+        return None
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    if re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", address):
+        return address
+    raise EdgeflError(f"--bind {address!r} is not an IP address or a host name",
+                      hint="an address of this machine, e.g. 192.168.1.10, 127.0.0.1 (this machine only), or leave it out for every interface")
+
+
+def config_text(directory: Path, port: int, tls: bool, max_packet_bytes: int, devices: int = 0, bind: str | None = None) -> str:
     lines = [
         "# mosquitto configuration written by `edgefl broker-config` (docs/deploy.md)",
         "# the listener comes first: a listener option above it would open a default one on 1883",
-        f"listener {port}",
+        *(["# on every interface (IPv4 and IPv6): `edgefl broker-config --bind ADDRESS` names one"] if bind is None
+          else [f"# on {bind} only (--bind)"]),
+        f"listener {port}" + (f" {bind}" if bind is not None else ""),
         "per_listener_settings false",
         "allow_anonymous false",
         f"password_file {directory / 'passwords'}",
@@ -186,9 +207,12 @@ def make_certs(certs: Path, hostname: str, days: int = 825) -> bool:
 
 
 def write_broker_config(directory: Path, devices: int, federation: str, port: int = 8883, tls: bool = True,
-                        hostname: str = "localhost", max_packet_bytes: int = (1 << 20) + (1 << 16)) -> BrokerConfig:
+                        hostname: str = "localhost", max_packet_bytes: int = (1 << 20) + (1 << 16),
+                        bind: str | None = None) -> BrokerConfig:
+    """``bind``: the address the listener binds (None: every interface, what devices on a network need)."""
     if devices < 1:
         raise EdgeflError("--devices must be at least 1")
+    bind = check_bind(bind)
     try:
         check_name(federation, "federation")
     except ValueError as exc:
@@ -210,5 +234,9 @@ def write_broker_config(directory: Path, devices: int, federation: str, port: in
     if tls:
         certs = directory / "certs"
         make_certs(certs, hostname)
-    (directory / "mosquitto.conf").write_text(config_text(directory, port, tls, max_packet_bytes, devices))
-    return BrokerConfig(directory, directory / "mosquitto.conf", directory / "passwords", directory / "acl", cred_file, certs, ids)
+    (directory / "mosquitto.conf").write_text(config_text(directory, port, tls, max_packet_bytes, devices, bind))
+    from edgefl.transport.signing import write_keypair
+
+    signing_key, _ = write_keypair(directory)  # the server signs what it sends; devices verify with the .pub
+    return BrokerConfig(directory, directory / "mosquitto.conf", directory / "passwords", directory / "acl", cred_file, certs, ids, bind,
+                        signing_key)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from edgefl.build import RunParts
 from edgefl.messages import Message
 
@@ -99,6 +101,18 @@ class TemplateClient:
 
     def receive(self, downlink: Message | None) -> None:
         pass  # evaluation requests are answered with the template's accuracy
+
+    # what the device loop's checks and rollback ask of a client half: a template holds no model
+    model = torch.nn.Module()
+
+    def downlink_problem(self, downlink: Message) -> str | None:
+        return None  # the loop has checked that every value is finite and bounded; a template uses nothing of it
+
+    def carry_state(self) -> dict:
+        return {}
+
+    def load_carry_state(self, tensors: dict) -> None:
+        pass
 
     def evaluate(self, x=None, y=None, batch_size: int = 1000) -> float:
         return self.templates.accuracy(self.arch, self.last_round)

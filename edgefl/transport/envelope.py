@@ -32,7 +32,7 @@ VERSION = 1
 PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 64 << 10
 
-TYPES = ("upload", "download", "evaluate", "chunk", "ack", "nack", "round", "presence")
+TYPES = ("upload", "download", "evaluate", "chunk", "ack", "nack", "round", "presence", "join", "task")
 CODECS = ("safetensors", "none")
 
 # field -> (type, required)
@@ -51,8 +51,11 @@ HEADER_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "status": (str, False),  # ack: accepted | duplicate | late
     "reason": (str, False),  # nack: why
     "missing": (list, False),  # nack of an incomplete upload: missing chunk numbers
-    "info": (dict, False),  # round announcements, downloads and evaluate requests: small JSON facts
+    "info": (dict, False),  # round announcements, downloads, evaluate requests, joins and tasks: small JSON facts
+    "to": (str, False),  # signed server messages: the device addressed, or "*" (edgefl.transport.signing)
+    "sig": (str, False),  # signed server messages: "ed25519"; the 64-byte signature follows the body
 }
+SIGNATURE_BYTES = 64
 MAX_ID_CHARS = 64
 MIN_CHUNK_BYTES = 4096  # so a chunk count is bounded by the declared length (and a nack's missing list with it)
 
@@ -117,25 +120,43 @@ def unpack(data: bytes, max_bytes: int) -> Envelope:
     header = loads(bytes(data[PREFIX.size : PREFIX.size + header_len]), "header")
     problem = header_problem(header)
     if problem:
-        raise PayloadError(problem)
-    body = data[PREFIX.size + header_len :]
-    if len(body) != header["body"]["length"]:
+        # the header parsed: a refusal answers its id whenever one is usable (section 8)
+        raise PayloadError(problem, message_id=answerable_id(header), round_no=answerable_round(header))
+    # a signed envelope carries its signature after the body (edgefl.transport.signing checks it)
+    end = len(data) - (SIGNATURE_BYTES if "sig" in header else 0)
+    body = data[PREFIX.size + header_len : max(end, PREFIX.size + header_len)]
+    if len(body) != header["body"]["length"] or end < PREFIX.size + header_len:
         raise PayloadError(f"body is {len(body)} bytes, the header says {header['body']['length']}",
-                           message_id=answerable_id(header))
+                           message_id=answerable_id(header), round_no=header["round"])
     if hashlib.sha256(body).hexdigest() != header["body"]["sha256"]:
-        raise PayloadError("body SHA-256 does not match the header", message_id=answerable_id(header))
+        raise PayloadError("body SHA-256 does not match the header", message_id=answerable_id(header), round_no=header["round"])
     extra = {k: header[k] for k in header if k not in ("type", "federation", "round", "sender", "message_id",
                                                          "reply_to", "model_version", "codec", "body")}
     return Envelope(header["type"], header["federation"], header["round"], header["sender"], bytes(body),
                     header["message_id"], header["reply_to"], header["model_version"], header["codec"], extra)
 
 
-def answerable_id(header: dict[str, Any]) -> str:
-    """The id a refusal of this (parsed, checked) envelope answers: a chunk's upload id, since the
-    device tracks the upload, not its chunks (docs/PROTOCOL.md section 5)."""
-    if header["type"] == "chunk":
-        return header["chunk"]["upload_id"]
-    return header["message_id"]
+def answerable_id(header: Any) -> str | None:
+    """The id a refusal of this parsed envelope header answers: a chunk's upload id, since the
+    device tracks the upload, not its chunks (docs/PROTOCOL.md section 5), else its message id.
+    The header may break other rules (an unknown field, a wrong type): its id is still answered
+    when it is a usable id (a string of 1-64 characters); None when there is none."""
+
+    def usable(value: Any) -> str | None:
+        return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS else None
+
+    if not isinstance(header, dict):
+        return None
+    chunk = header.get("chunk")
+    if header.get("type") == "chunk" and isinstance(chunk, dict) and usable(chunk.get("upload_id")):
+        return chunk["upload_id"]
+    return usable(header.get("message_id"))
+
+
+def answerable_round(header: Any) -> int | None:
+    """The round a refusal of this parsed header names: its own when valid (section 8)."""
+    value = header.get("round") if isinstance(header, dict) else None
+    return value if type(value) is int and value >= 0 else None
 
 
 def header_problem(header: Any) -> str | None:
@@ -152,6 +173,10 @@ def header_problem(header: Any) -> str | None:
         value = header[name]
         if not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
             return f"header field {name!r} has the wrong type"
+    if "sig" in header and header["sig"] != "ed25519":
+        return f"unknown signature scheme {header['sig'][:16]!r} (ed25519 only)"
+    if "to" in header and not (0 < len(header["to"]) <= MAX_ID_CHARS):
+        return f"header field 'to' must be 1-{MAX_ID_CHARS} characters"
     if header["type"] not in TYPES:
         return f"unknown message type {header['type']!r}"
     if header["codec"] not in CODECS:

@@ -13,13 +13,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import queue
 import random
 import threading
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from edgefl.errors import EdgeflError
+from edgefl.errors import BrokerUnreachable, EdgeflError
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,25 @@ class BrokerAddress:
 
     def __str__(self) -> str:
         return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` names this machine (by address or as localhost): nobody else can reach it."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost")
+
+
+def open_broker_warning(address: BrokerAddress, username: str | None) -> str | None:
+    """The warning a server or device prints before it connects without a username and without TLS
+    to a broker another machine can reach (None when there is nothing to warn about): such a
+    broker lets anyone who reaches it read every upload and forge every message."""
+    if address.tls or username or is_loopback(address.host):
+        return None
+    return (f"the broker at {address} is plain MQTT (no TLS) and this connection is anonymous (no username): anyone who can reach "
+            "the broker can read every upload and forge messages to and from devices; use TLS and credentials "
+            "(edgefl broker-config, docs/deploy.md)")
 
 
 @dataclass
@@ -136,7 +156,7 @@ class Link:
         try:
             self.client.connect(self.address.host, self.address.port, keepalive=self._keepalive_s, **kwargs)
         except OSError as exc:
-            raise EdgeflError(f"cannot reach the broker at {self.address}: {exc}",
+            raise BrokerUnreachable(f"cannot reach the broker at {self.address}: {exc}",
                               hint="start one (edgefl fleet starts its own) or check --broker") from None
 
     def start(self, timeout_s: float = 15.0) -> Link:
@@ -144,7 +164,7 @@ class Link:
         self.client.loop_start()
         if not self.connected.wait(timeout_s):
             self.stop()
-            raise EdgeflError(f"the broker at {self.address} did not accept {self.client_id} within {timeout_s:g} s"
+            raise BrokerUnreachable(f"the broker at {self.address} did not accept {self.client_id} within {timeout_s:g} s"
                               + (f" ({self.last_disconnect})" if self.last_disconnect else ""))
         return self
 

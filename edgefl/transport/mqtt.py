@@ -4,9 +4,20 @@ layout of docs/PROTOCOL.md (``dev/<id>/up``, ``dev/<id>/down``, retained ``round
 
 from __future__ import annotations
 
+import logging
+
 from edgefl.transport.base import Delivery, DeviceTransport, ServerTransport
-from edgefl.transport.link import BrokerAddress, Link
+from edgefl.transport.link import BrokerAddress, Link, open_broker_warning
 from edgefl.transport.topics import Topics
+
+log = logging.getLogger("edgefl.transport")
+
+
+def _warn_if_open(address: BrokerAddress, username: str | None) -> BrokerAddress:
+    warning = open_broker_warning(address, username)
+    if warning:
+        log.warning("warning: %s", warning)
+    return address
 
 
 class MqttServerTransport(ServerTransport):
@@ -17,7 +28,7 @@ class MqttServerTransport(ServerTransport):
     @classmethod
     def connect(cls, broker: str, topics: Topics, *, max_packet_bytes: int, keepalive_s: int, protocol: str = "5",
                 username: str | None = None, password: str | None = None, ca_file: str | None = None) -> MqttServerTransport:
-        link = Link(BrokerAddress.parse(broker), f"edgefl-{topics.federation}-server", [topics.all_up, topics.all_presence],
+        link = Link(_warn_if_open(BrokerAddress.parse(broker), username), f"edgefl-{topics.federation}-server", [topics.all_up, topics.all_presence],
                     topics.presence("server"), username=username, password=password, ca_file=ca_file, protocol=protocol,
                     max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s).start()
         return cls(link, topics)
@@ -69,7 +80,7 @@ class MqttDeviceTransport(DeviceTransport):
     def connect(cls, broker: str, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
                 protocol: str = "5", username: str | None = None, password: str | None = None,
                 ca_file: str | None = None) -> MqttDeviceTransport:
-        link = cls.device_link(BrokerAddress.parse(broker), topics, device, max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s,
+        link = cls.device_link(_warn_if_open(BrokerAddress.parse(broker), username), topics, device, max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s,
                                protocol=protocol, username=username, password=password, ca_file=ca_file).start()
         return cls(link, topics, device)
 
