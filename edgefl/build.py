@@ -73,6 +73,8 @@ def partition(cfg: RunConfig, ds: Dataset) -> list[np.ndarray]:
     n = cfg.fleet.num_clients
     rng = np.random.default_rng(derive_seed(cfg.seed, "partition"))
     d = cfg.data
+    if d.device_held:  # real devices bring their own samples: the server splits nothing
+        return [np.zeros(0, dtype=np.int64) for _ in range(n)]
     if d.partition == "iid":
         parts = iid(labels, n, rng)
     elif d.partition == "dirichlet":
@@ -93,16 +95,24 @@ def _resolve_options(cfg: RunConfig, group: GroupSettings, client_id: str) -> di
     return options
 
 
-def assign_group(cfg: RunConfig, ds: Dataset, group: GroupSettings, group_index: int, profile: DeviceProfile) -> tuple[str, dict]:
-    """The model an ``auto`` group's device class gets for this run's round (budget -> architecture)."""
-    from edgefl.profile.assign import Budgets, assign, parse_candidates
+def group_budgets(cfg: RunConfig, ds: Dataset, group: GroupSettings, samples: int | None = None):
+    """The budgets a group's devices are judged by: the run's clock and training settings, and
+    ``samples`` per round (default: an even share of the training set)."""
+    from edgefl.profile.assign import Budgets
 
     train = cfg.train_for(group)
-    per_device = math.ceil(len(ds.y_train) / cfg.fleet.num_clients) * train.epochs
+    per_device = (samples if samples is not None else math.ceil(len(ds.y_train) / cfg.fleet.num_clients)) * train.epochs
     samples = min(per_device, train.max_steps * train.batch_size) if train.max_steps else per_device
     optimizer = "adam" if train.optimizer == "adam" else ("momentum" if train.momentum > 0 else "sgd")
-    budgets = Budgets(headroom=cfg.clock.headroom, deadline_s=cfg.clock.deadline_s, samples=samples, epochs=1,
-                      batch=train.batch_size, optimizer=optimizer)
+    return Budgets(headroom=cfg.clock.headroom, deadline_s=cfg.clock.deadline_s, samples=max(1, samples), epochs=1,
+                   batch=train.batch_size, optimizer=optimizer)
+
+
+def assign_group(cfg: RunConfig, ds: Dataset, group: GroupSettings, group_index: int, profile: DeviceProfile) -> tuple[str, dict]:
+    """The model an ``auto`` group's device class gets for this run's round (budget -> architecture)."""
+    from edgefl.profile.assign import assign, parse_candidates
+
+    budgets = group_budgets(cfg, ds, group)
     # the view's output shape is the same for every device of the group (only its content differs)
     shape = make_view(group.view, ds.input_shape, cfg.seed, "probe").output_shape if group.view else ds.input_shape
     candidates = parse_candidates(",".join(cfg.clock.candidates)) if cfg.clock.candidates else None
@@ -114,6 +124,27 @@ def assign_group(cfg: RunConfig, ds: Dataset, group: GroupSettings, group_index:
     return e.model, dict(e.options)
 
 
+def check_profile_fits(cfg: RunConfig, ds: Dataset, group: GroupSettings, group_index: int, profile: DeviceProfile,
+                       options: dict[str, Any]) -> None:
+    """An explicit model on a group with a profile: refused when the device class cannot hold it
+    (training memory within clock.headroom of its budget, or storage), judged as ``model = "auto"``
+    judges its candidates. A round slower than the deadline is not refused: the virtual clock drops
+    such a device as a straggler, which is what a fleet of mixed speeds studies."""
+    from edgefl.profile.assign import assign
+
+    shape = make_view(group.view, ds.input_shape, cfg.seed, "probe").output_shape if group.view else ds.input_shape
+    try:
+        (verdict,) = assign(profile, group_budgets(cfg, ds, group), cfg.method.name, [(group.model, options)],
+                            input_shape=tuple(shape), num_classes=ds.num_classes).verdicts
+    except (ValueError, TypeError, KeyError, RuntimeError):
+        return  # the cost model cannot size this model for this input: check_models_fit names what is wrong with it
+    if not verdict.fits and not verdict.bound.startswith("deadline"):
+        raise ConfigError(f"fleet.groups[{group_index}]: {profile.id} cannot hold {verdict.label}: {verdict.bound} "
+                          f"(clock.headroom = {cfg.clock.headroom:g} of its training budget)",
+                          hint=f'choose a smaller model, model = "auto" (the largest {profile.id} can train), a larger device class, '
+                               "or fewer samples per round")
+
+
 def device_slots(cfg: RunConfig, ds: Dataset) -> list[DeviceSlot]:
     from edgefl.profile import load_profile
 
@@ -122,17 +153,21 @@ def device_slots(cfg: RunConfig, ds: Dataset) -> list[DeviceSlot]:
     slots, i = [], 0
     ids = device_ids(cfg.fleet.num_clients)
     for g, group in enumerate(cfg.fleet.groups):
+        judged: set[str] = set()  # the options already checked against this group's profile
         profile = load_profile(group.profile) if group.profile else None
         model, auto_options = (assign_group(cfg, ds, group, g, profile) if group.model == "auto" else (group.model, {}))
         for _ in range(group.count):
             cid = ids[i]
             train_idx, test_idx = parts[i], None
-            if frac is not None:
+            if frac is not None and not cfg.data.device_held:
                 order = np.random.default_rng(derive_seed(cfg.seed, "client-test", cid)).permutation(parts[i])
                 n_test = max(1, int(round(frac * len(order))))
                 test_idx, train_idx = np.sort(order[:n_test]), np.sort(order[n_test:])
             view = make_view(group.view, ds.input_shape, cfg.seed, cid) if group.view else None
             options = {**auto_options, **_resolve_options(cfg, group, cid)}
+            if profile is not None and group.model != "auto" and repr(sorted(options.items())) not in judged:
+                judged.add(repr(sorted(options.items())))  # once per distinct model (random MLP shapes differ per device)
+                check_profile_fits(cfg, ds, group, g, profile, options)
             slots.append(DeviceSlot(cid, i, group, train_idx, test_idx, options, view, model, profile))
             i += 1
     return slots
@@ -252,7 +287,7 @@ def federation_name(cfg: RunConfig) -> str:
 def load_run_dataset(cfg: RunConfig, raw_pixels: bool = False) -> Dataset:
     ds = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.download, cfg.data.idx_name, cfg.data.classes,
                       raw_pixels=raw_pixels)
-    return pooled(ds) if cfg.data.client_test_fraction else ds
+    return pooled(ds) if cfg.data.client_test_fraction and not cfg.data.device_held else ds
 
 
 def build_run(cfg: RunConfig, dataset: Dataset | None = None, check: bool = True, raw_pixels: bool = False) -> RunParts:
@@ -261,7 +296,7 @@ def build_run(cfg: RunConfig, dataset: Dataset | None = None, check: bool = True
     if dataset is None:
         ds = load_run_dataset(cfg, raw_pixels)
     else:
-        ds = pooled(dataset) if cfg.data.client_test_fraction else dataset
+        ds = pooled(dataset) if cfg.data.client_test_fraction and not cfg.data.device_held else dataset
     slots = device_slots(cfg, ds)
     if check:
         check_models_fit(cfg, ds, slots)

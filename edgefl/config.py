@@ -14,10 +14,10 @@ import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from edgefl.configtools import format_validation_error, read_toml, suggest
 from edgefl.data.views import ViewSettings
@@ -36,28 +36,40 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _no_float(value: Any) -> Any:
+    if isinstance(value, float):  # lax pydantic would take 3.0 and 1e9 (a billion rounds) as integers
+        raise ValueError(f"must be a whole number written without a decimal point or exponent (got {value!r}: TOML reads "
+                         "3.0 and 1e9 as floats)")
+    return value
+
+
+#: counts and sizes: an integer in the file, never a float that happens to be whole, a bool or a string
+Whole = Annotated[StrictInt, BeforeValidator(_no_float)]
+MAX_ROUNDS = 1_000_000
+
+
 class TrainSettings(Strict):
     """Local training of one client per round."""
 
-    epochs: int = Field(1, ge=1, description="local epochs per round")
-    batch_size: int = Field(50, ge=1, description="local mini-batch size")
+    epochs: Whole = Field(1, ge=1, description="local epochs per round")
+    batch_size: Whole = Field(50, ge=1, description="local mini-batch size")
     optimizer: Literal["adam", "sgd"] = Field("adam", description="a new optimizer each round (as the papers' code)")
     lr: float = Field(1e-3, gt=0, description="learning rate")
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty of the optimizer")
-    max_steps: int | None = Field(None, ge=1, description="cap on batches per round (None: full epochs)")
+    max_steps: Whole | None = Field(None, ge=1, description="cap on batches per round (None: full epochs)")
 
 
 class TrainOverride(Strict):
     """Per-group overrides of :class:`TrainSettings` (unset fields keep the run's value)."""
 
-    epochs: int | None = Field(None, ge=1)
-    batch_size: int | None = Field(None, ge=1)
+    epochs: Whole | None = Field(None, ge=1)
+    batch_size: Whole | None = Field(None, ge=1)
     optimizer: Literal["adam", "sgd"] | None = None
     lr: float | None = Field(None, gt=0)
     momentum: float | None = Field(None, ge=0, lt=1)
     weight_decay: float | None = Field(None, ge=0)
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: Whole | None = Field(None, ge=1)
 
 
 class DataSettings(Strict):
@@ -65,16 +77,24 @@ class DataSettings(Strict):
     data_dir: str | None = Field(None, description="the folder holding the IDX files (--data-dir); when set, the only place looked in")
     download: bool = Field(True, description="fetch fashion-mnist/mnist into the user cache when no folder has them")
     idx_name: str | None = Field(None, description='dataset = "idx": the name reports give your data set')
-    classes: int | list[str] | None = Field(None, description='dataset = "idx": the number of classes, or their names in label order')
-    partition: Literal["iid", "dirichlet", "shards"] = Field("dirichlet", description="how training samples are split across devices")
+    classes: Whole | list[str] | None = Field(None, description='dataset = "idx": the number of classes, or their names in label order')
+    partition: Literal["iid", "dirichlet", "shards", "devices"] = Field(
+        "dirichlet", description='how training samples are split across simulated devices; "devices": real devices train on data only '
+                                 "they hold (edgefl client --data), the server splits nothing and its data set names the task "
+                                 "(classes, input shape, normalisation) and is its own test set (docs/your-data.md)")
     alpha: float = Field(0.5, gt=0, description="dirichlet: concentration (smaller = more skewed labels per device)")
-    shards_per_client: int = Field(2, ge=1, description="shards: label-sorted shards per device")
-    min_samples: int = Field(10, ge=1, description="dirichlet: redraw until every device holds at least this many")
-    samples_per_client: int | None = Field(None, ge=1, description="keep at most this many samples per client")
-    test_samples: int | None = Field(None, ge=1, description="evaluate on a fixed random subset of the test set")
+    shards_per_client: Whole = Field(2, ge=1, description="shards: label-sorted shards per device")
+    min_samples: Whole = Field(10, ge=1, description="dirichlet: redraw until every device holds at least this many")
+    samples_per_client: Whole | None = Field(None, ge=1, description="keep at most this many samples per client")
+    test_samples: Whole | None = Field(None, ge=1, description="evaluate on a fixed random subset of the test set")
     client_test_fraction: float | None = Field(
-        None, gt=0, lt=1, description="pool train+test, partition, and hold out this share of each device's data as its own test set"
+        None, gt=0, lt=1, description="pool train+test, partition, and hold out this share of each device's data as its own test set; "
+                                      'with partition = "devices": the share of its own data each device holds out to report accuracy on '
+                                      "(default 0.1)"
     )
+    resize: bool = Field(True, description='partition = "devices": a device\'s images of another size are resized (true) or refused (false)')
+    label_column: str = Field("label", min_length=1, max_length=200,
+                              description='partition = "devices": the label column of devices\' CSV or Parquet tables')
 
     @field_validator("dataset")
     @classmethod
@@ -84,6 +104,26 @@ class DataSettings(Strict):
         if v not in DATASET_NAMES:
             raise ValueError(f"unknown dataset {v!r}{suggest(v, DATASET_NAMES)}")
         return v
+
+    @property
+    def device_held(self) -> bool:
+        """Real devices bring their own data (partition = "devices"): nothing is split here."""
+        return self.partition == "devices"
+
+    @property
+    def validation_fraction(self) -> float:
+        """The share of its own data a device holds out (partition = "devices")."""
+        return self.client_test_fraction or 0.1
+
+    @model_validator(mode="after")
+    def _reads_files(self) -> DataSettings:
+        from edgefl.data.datasets import SKLEARN_SETS
+
+        # partition = "devices": data_dir may be a device's own data (edgefl client --data), not this data set's files
+        if self.data_dir is not None and self.dataset in SKLEARN_SETS and self.partition != "devices":
+            raise ValueError(f"data_dir = {self.data_dir!r}, but {self.dataset} comes with scikit-learn and reads no files: drop "
+                             'data_dir (--data-dir), or name a data set that reads a folder (fashion-mnist, mnist, "idx")')
+        return self
 
     @model_validator(mode="after")
     def _own_idx(self) -> DataSettings:
@@ -102,7 +142,7 @@ class GroupSettings(Strict):
     ``model = "auto"``, devices of one class that get the largest model their budgets allow)."""
 
     model: str = Field(description='a zoo model (edgefl models), or "auto": the largest the group\'s profile can train (needs profile)')
-    count: int = Field(1, ge=1, description="devices in this group")
+    count: Whole = Field(1, ge=1, description="devices in this group")
     profile: str | None = Field(None, description="device class (catalog id or profile file): virtual clock and assignment")
     options: dict[str, Any] = Field(default_factory=dict, description="builder options, e.g. width")
     train: TrainOverride | None = None
@@ -159,7 +199,7 @@ def _family_params(model: str) -> dict[str, inspect.Parameter]:
 class FleetSettings(Strict):
     groups: list[GroupSettings] = Field(min_length=1)
     sample_ratio: float = Field(1.0, gt=0, le=1, description="share of the devices selected each round")
-    per_round: int | None = Field(
+    per_round: Whole | None = Field(
         None, ge=1, description="target updates per round (cross-device FL): devices are drawn from those online, the round closes as "
                                 "soon as this many are accepted, and later uploads are answered late; replaces sample_ratio")
     over_select: float = Field(
@@ -194,8 +234,8 @@ class FleetSettings(Strict):
 
 
 class EvalSettings(Strict):
-    every: int = Field(1, ge=1, description="evaluate every k rounds (the last round always)")
-    batch_size: int = Field(1000, ge=1)
+    every: Whole = Field(1, ge=1, description="evaluate every k rounds (the last round always)")
+    batch_size: Whole = Field(1000, ge=1)
 
 
 class ClockSettings(Strict):
@@ -214,16 +254,24 @@ class NetworkSettings(Strict):
     round_deadline_s: float = Field(120.0, gt=0, description="a round closes at this deadline when not every device reported")
     quorum: float = Field(0.5, gt=0, description="reports needed at the deadline: a fraction (<= 1) of the selected devices or a count (> 1)")
     grace_s: float = Field(0.0, ge=0, description="extend a round that misses its quorum once by this much (0: fail it at once)")
-    chunk_bytes: int = Field(1 << 20, ge=4096, description="bodies above chunk_threshold travel in chunks of this size")
-    chunk_threshold: int = Field(512 << 10, ge=1024)
-    max_message_bytes: int = Field(256 << 20, ge=1 << 16, description="the largest message (whole upload, before chunking) either side accepts")
+    chunk_bytes: Whole = Field(1 << 20, ge=4096, description="bodies above chunk_threshold travel in chunks of this size")
+    chunk_threshold: Whole = Field(512 << 10, ge=1024)
+    max_message_bytes: Whole = Field(256 << 20, ge=1 << 16, description="the largest message (whole upload, before chunking) either side accepts")
     ack_timeout_s: float = Field(10.0, gt=0, description="a device resends an upload not acknowledged within this")
     stale_upload_s: float = Field(120.0, gt=0, description="a partial chunked upload idle this long is nacked with its missing chunks "
                                   "(dropped after 3 such nacks without progress)")
+    max_partial_bytes_total: Whole = Field(
+        1 << 30, ge=1 << 16, description="bytes the server holds for unfinished chunked uploads of all devices together (each device "
+                                         "may hold twice max_message_bytes); a chunk that would pass either budget is nacked with the reason")
+    partial_max_age_s: float | None = Field(
+        None, gt=0, description="a partial chunked upload not complete this long after its first chunk is dropped however its chunks "
+                                "trickle in (the device is told to resend every chunk). None: the round deadline (at least stale_upload_s), "
+                                "since a partial upload not complete by then cannot count in its round; in an asynchronous run 4 x "
+                                "stale_upload_s, as long as the stale nacks keep an abandoned one")
     offline_grace_s: float = Field(10.0, ge=0, description="a round closes early once every selected device that has not reported has been offline this long")
     protocol: Literal["5", "3.1.1"] = "5"
     max_abs_value: float = Field(1e6, gt=0, description="uploads holding a larger magnitude are refused (weights, logits, features)")
-    keepalive_s: int = Field(30, ge=1, description="MQTT keep-alive: a silent device is declared offline (last will) after 1.5x this")
+    keepalive_s: Whole = Field(30, ge=1, description="MQTT keep-alive: a silent device is declared offline (last will) after 1.5x this")
 
     @field_validator("quorum")
     @classmethod
@@ -231,6 +279,20 @@ class NetworkSettings(Strict):
         if value > 1 and value != int(value):
             raise ValueError(f"a quorum above 1 is a number of devices, so a whole number (got {value}); a fraction of the selected devices is <= 1")
         return value
+
+    @model_validator(mode="after")
+    def _partials_fit(self) -> NetworkSettings:
+        if self.max_partial_bytes_total < self.max_message_bytes:
+            raise ValueError(f"network.max_partial_bytes_total = {self.max_partial_bytes_total} is below network.max_message_bytes = "
+                             f"{self.max_message_bytes}: a chunked upload of the largest size could never be reassembled; raise it")
+        return self
+
+    def partial_age_limit_s(self) -> float:
+        """How long a partial chunked upload may live from its first chunk (``partial_max_age_s``
+        or its default: as long as an abandoned one survives the stale nacks)."""
+        from edgefl.transport.chunks import STALE_STRIKES
+
+        return self.partial_max_age_s if self.partial_max_age_s is not None else (STALE_STRIKES + 1) * self.stale_upload_s
 
     def quorum_count(self, selected: int) -> int:
         if self.quorum <= 1:
@@ -245,14 +307,18 @@ class SimulationSettings(Strict):
     batch_clients: Literal["auto", "on", "off"] = Field(
         "auto", description="train the selected clients of one architecture together as one batched computation "
                             "(torch.func.vmap); auto = on CUDA only (on a CPU it measured slower)")
-    workers: int | Literal["auto"] = Field(
+    workers: Whole | Literal["auto"] = Field(
         1, description="processes the client halves are spread over (auto: one per core); 1 = all in this process. "
-                       "The numbers are those of one process when each worker has as many torch threads as it would")
+                       "Every worker trains with the run's threads, so the numbers are those of one process (threads = cores / workers for speed)")
     backend: Literal["local", "ray"] = Field(
-        "local", description="local worker processes, or Ray actors (pip install 'edgefl[ray]'; workers = actors)")
+        "local", description="local worker processes, or Ray actors (pip install -e '.[ray]' in the edgefl checkout; workers = actors)")
     ray_address: str | None = Field(None, description='backend = "ray": the cluster to join, e.g. "ray://head:10001" (None: start one here)')
     ray_cpus: float = Field(1.0, gt=0, le=1024, description='backend = "ray": CPUs each actor asks for')
     ray_gpus: float = Field(0.0, ge=0, le=64, description='backend = "ray": GPUs (a fraction shares one) each actor asks for')
+    baseline: Literal["none", "local"] = Field(
+        "none", description='"local": after the run, train the Local-only baseline (method local: the same devices, data, seed and '
+                            "training, nothing shared) into RUN_DIR/baseline and put it beside the method in the tables, "
+                            "summary.json and plots (edgefl simulate only; it doubles the training time)")
 
     @field_validator("workers")
     @classmethod
@@ -271,19 +337,19 @@ class AsyncSettings(Strict):
     """``mode = "async"``: devices train whenever they are free and the server updates on their
     reports (docs/methods.md, "Asynchronous runs"). ``rounds`` counts server updates."""
 
-    concurrency: int | None = Field(
+    concurrency: Whole | None = Field(
         None, ge=1, description="devices training at once (None: every online device); a free device is drawn with the seed")
     aggregation: Literal["fedbuff", "fedasync"] = Field(
         "fedbuff", description="weights: buffered (FedBuff: one update per buffer_size reports, staleness-discounted deltas) "
                                "or FedAsync (each report mixed into the model at a staleness-discounted rate)")
-    buffer_size: int | None = Field(
+    buffer_size: Whole | None = Field(
         None, ge=1, le=100_000, description="fedbuff: reports per server update (None: 1 for knowledge methods, which merge every "
                                             "report, and min(10, devices // 2) for weight methods)")
     server_lr: float = Field(1.0, gt=0, le=10, description="fedbuff: server learning rate on the mean discounted delta")
     mixing: float = Field(0.6, gt=0, le=1, description="fedasync: the rate a fresh report is mixed in at (alpha)")
     staleness_exponent: float = Field(
         0.5, ge=0, le=10, description="a report s server updates old counts (1 + s) ** -exponent (0: no discount)")
-    staleness_bound: int | None = Field(
+    staleness_bound: Whole | None = Field(
         None, ge=0, description="reports started more than this many server updates ago are refused with the reason (None: no bound)")
     time_budget_s: float | None = Field(
         None, gt=0, description="stop after this many seconds (virtual in a simulation), or after rounds updates, whichever is first")
@@ -307,12 +373,13 @@ class MethodSettings(BaseModel):
 
 class RunConfig(Strict):
     name: str = Field("run", description="names the run directory (runs/<time>-<name>-s<seed>) and, unless network.federation is set, the fleet's topics")
-    seed: int = Field(0, description="every random draw (partition, initial weights, batch order, selection) derives from it")
-    rounds: int = Field(10, ge=1, description="federated rounds (one-shot methods: exactly 1); with mode = \"async\", server updates")
+    seed: Whole = Field(0, description="every random draw (partition, initial weights, batch order, selection) derives from it")
+    rounds: Whole = Field(10, ge=1, le=MAX_ROUNDS, description="federated rounds (one-shot methods: exactly 1); with mode = \"async\", server updates")
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: rounds with a selection and a deadline; async: devices train when free, the server updates on reports "
                             "([asynchronous])")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: torch's default)")
+    threads: Whole | None = Field(None, ge=1, description="torch intra-op threads of every device's training, on every backend "
+                                                              "(None: the default of the process that starts the run; run.json records it)")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where client halves train (simulated devices and `edgefl client`) and server halves fuse: "
                             "auto = CUDA when torch sees a GPU, else the CPU")
@@ -330,7 +397,7 @@ class RunConfig(Strict):
     )
     track: list[Literal["tensorboard", "mlflow"]] = Field(
         default_factory=list, description="experiment trackers fed every round (--track): TensorBoard event files in RUN_DIR/tensorboard, "
-                                          "MLflow runs (pip install 'edgefl[track]')")
+                                          "MLflow runs (pip install -e '.[track]' in the edgefl checkout)")
     tracking_uri: str | None = Field(None, description="MLflow tracking URI (default: a file store in RUN_DIR/mlruns)")
 
     @model_validator(mode="after")
@@ -342,6 +409,15 @@ class RunConfig(Strict):
                    else f"{self.fleet.num_clients} devices x sample_ratio {self.fleet.sample_ratio:g}")
             verb = "needs" if self.fleet.per_round is not None else "selects"
             raise ValueError(f"network.quorum = {int(q)} devices, but a round {verb} only {selected} ({how}): no round could close")
+        return self
+
+    @model_validator(mode="after")
+    def _device_held_fits(self) -> RunConfig:
+        if self.data.device_held and any(g.view is not None for g in self.fleet.groups):
+            raise ValueError('fleet.groups[].view simulates per-device feature spaces; with partition = "devices" each device\'s own '
+                             "columns are its feature space: drop view")
+        if self.data.device_held and self.data.samples_per_client is not None:
+            raise ValueError('data.samples_per_client caps a simulated share; with partition = "devices" devices use all they hold: drop it')
         return self
 
     @model_validator(mode="after")

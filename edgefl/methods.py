@@ -96,7 +96,7 @@ for _spec in (
     ),
     MethodSpec(
         "fedin",
-        "FedIN (Wang et al.): feature-pair IN training, gradient alleviation, proximal term, layer-wise aggregation",
+        "FedIN (Chan, Jiang, Deng & Ngai): feature-pair IN training, gradient alleviation, proximal term, layer-wise aggregation",
         "edgefl.algorithms.fedin:FedINClient",
         "edgefl.server.methods.fedin:FedINServer",
         "edgefl.algorithms.fedin:FedINOptions",

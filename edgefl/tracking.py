@@ -1,5 +1,5 @@
 """Experiment tracking in the tools researchers already use: TensorBoard event files and MLflow,
-through their own libraries (``pip install 'edgefl[track]'``).
+through their own libraries (``pip install -e '.[track]' in the edgefl checkout``).
 
 Switched on with ``track = ["tensorboard", "mlflow"]`` in the config or ``--track`` on the command
 line. The run session calls the trackers (the same in a simulation and a fleet): at the start
@@ -53,7 +53,7 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise EdgeflError("track = tensorboard needs the tensorboard package", hint="pip install 'edgefl[track]'") from None
+            raise EdgeflError("track = tensorboard needs the tensorboard package", hint="pip install -e '.[track]' in the edgefl checkout") from None
         self.directory = run_path / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.directory))
         self.writer.add_text("config", "```toml\n" + cfg.to_toml() + "\n```", 0)
@@ -73,7 +73,7 @@ class MlflowTracker:
         try:
             import mlflow
         except ImportError:
-            raise EdgeflError("track = mlflow needs the mlflow package", hint="pip install 'edgefl[track]'") from None
+            raise EdgeflError("track = mlflow needs the mlflow package", hint="pip install -e '.[track]' in the edgefl checkout") from None
         self.mlflow = mlflow
         self.uri = tracking_uri or (run_path / "mlruns").resolve().as_uri()
         if self.uri.startswith("file:"):

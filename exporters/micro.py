@@ -55,7 +55,7 @@ def _micro_runtime():
     try:
         from tflite_micro.python.tflite_micro import runtime
     except ImportError:
-        raise ExportError("--micro needs the TFLite Micro interpreter", hint="pip install 'edgefl[export]' (tflite-micro)") from None
+        raise ExportError("--micro needs the TFLite Micro interpreter", hint="pip install -e '.[export]' in the edgefl checkout (tflite-micro)") from None
     return runtime
 
 

@@ -144,17 +144,20 @@ def _run_facts(run: Path) -> dict[str, Any]:
     return out
 
 
-def sources_from_path(path: str | Path, model: str | None = None, select: str | None = None, **kw) -> list[ModelSource]:
-    """A weights file, or every model a run directory saved (its global models when it has them;
-    ``select`` keeps the files whose name contains it)."""
+def sources_from_path(path: str | Path, model: str | None = None, select: str | None = None, every: bool = False,
+                      **kw) -> list[ModelSource]:
+    """A weights file, or the models a run directory ships to phones (ship.json: its global
+    models, or for a method that keeps a model per device the best device's per architecture);
+    ``every``: every model it saved, each device's private one included; ``select`` keeps the
+    files whose name contains it."""
     path = Path(path)
     if path.is_dir():
         folder = path / "models"
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
         if not files:
             raise ExportSourceError(f"{path} has no models/*.safetensors", hint="is this a finished run directory? runs save their models when they end")
-        globals_ = [f for f in files if f.name.startswith("global-")]
-        chosen = globals_ or files
+        shipped = [f for f in files if f.name.startswith("global-")] or [f for f in files if f.name.startswith("ship-")]
+        chosen = files if every or not shipped else shipped
         if select:
             chosen = [f for f in files if select in f.stem]
             if not chosen:

@@ -37,7 +37,7 @@ def _litert_torch():
         import litert_torch
     except ImportError:
         raise ExportError("TFLite export needs litert-torch, which is not installed",
-                          hint="pip install 'edgefl[export]' on an x86-64 machine (the converter has no aarch64 wheel)") from None
+                          hint="pip install -e '.[export]' in the edgefl checkout on an x86-64 machine (the converter has no aarch64 wheel)") from None
     litert_torch.config.show_progress = False
     return litert_torch
 

@@ -33,7 +33,7 @@ def _schema():
         from ai_edge_litert import schema_py_generated as schema
         from ai_edge_litert.tools import flatbuffer_utils
     except ImportError:
-        raise ExportError("reading a .tflite file's contents needs ai-edge-litert", hint="pip install 'edgefl[export]'") from None
+        raise ExportError("reading a .tflite file's contents needs ai-edge-litert", hint="pip install -e '.[export]' in the edgefl checkout") from None
     return schema, flatbuffer_utils
 
 

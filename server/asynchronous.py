@@ -214,7 +214,7 @@ class AsyncLoop:
         o = self.o
         working = sum(1 for d in self.tickets if o.online.get(d))
         limit = self.settings.concurrency or len(o.device_ids)
-        free = [d for d in o.device_ids if d not in self.tickets and o.online.get(d)]
+        free = [d for d in o.device_ids if d not in self.tickets and o.can_take_part(d)]
         slots = limit - working
         if slots <= 0 or not free:
             return
@@ -363,7 +363,7 @@ class AsyncLoop:
         """Ask every idle online device for the accuracy of its model now (an ``evaluate`` with
         no body: nothing is loaded); answers count as its latest reported accuracy."""
         o = self.o
-        idle = [d for d in o.device_ids if d not in self.tickets and o.online.get(d) and d in o.evaluator.judged]
+        idle = [d for d in o.device_ids if d not in self.tickets and o.can_take_part(d) and d in o.evaluator.judged]
         if not idle:
             return
         for device, accuracy in o._ask_devices(self.version, idle, with_model=False).items():

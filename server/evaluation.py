@@ -25,9 +25,12 @@ from edgefl.algorithms.training import evaluate_accuracy
 
 class Evaluator:
     def __init__(self, x_test: torch.Tensor | None, y_test: torch.Tensor | None, batch_size: int,
-                 archs: dict[str, str], judged: set[str], personal: set[str]) -> None:
+                 archs: dict[str, str], judged: set[str], personal: set[str], held_by_devices: bool = False) -> None:
         """``archs``: device -> architecture, in device order; ``judged``: devices holding a
-        classifier; ``personal``: devices that judge on their own split or feature space."""
+        classifier; ``personal``: devices that judge on their own split or feature space;
+        ``held_by_devices``: devices bring their own data (each judges on the share it holds out),
+        and the server's test set, when it has one, judges the global models beside them."""
+        self.held_by_devices = held_by_devices
         self.x_test, self.y_test = x_test, y_test
         self.batch_size = batch_size
         self.archs = archs
@@ -63,13 +66,37 @@ class Evaluator:
     def evaluate(self, server, answers: dict[str, float]) -> dict[str, Any] | None:
         """The accuracy record of a round (``answers``: what devices said to evaluate requests)."""
         globals_ = server.global_models()
+        if self.held_by_devices and globals_ and self.has_test_set:
+            # the server's own test set judges the global models; devices' answers on their own data beside it
+            record = self._judged(server, globals_, {}, set())
+            if record is not None:
+                record["judged_on"] = "server test set"
+                if answers:
+                    record["device_validation"] = {"overall": statistics.fmean(answers.values()), "per_client": dict(answers),
+                                                   "judged_on": "devices' own validation data"}
+            return record
+        record = self._judged(server, globals_, answers, self.personal)
+        if record is not None:
+            record["judged_on"] = self._source(bool(globals_), answers)
+        return record
+
+    def _source(self, has_globals: bool, answers: dict[str, float]) -> str:
+        """What the record's accuracies were measured on (records, summary and plots say it)."""
+        own = "devices' own validation data" if self.held_by_devices else "devices' own test split"
+        if has_globals:
+            if answers and self.has_test_set:
+                return f"server test set and {own}"
+            return own if answers else "server test set"
+        return own if (self.held_by_devices or self.personal) else "shared test set (each device's own model, judged on the device)"
+
+    def _judged(self, server, globals_: dict[str, Any], answers: dict[str, float], personal: set[str]) -> dict[str, Any] | None:
         per_client: dict[str, float] = {}
         if globals_:
             cache: dict[str, float | None] = {}
             for device, arch in self.archs.items():
                 if device not in self.judged or arch not in globals_:
                     continue
-                if device in self.personal:
+                if device in personal:
                     if device in answers:
                         per_client[device] = answers[device]
                     continue

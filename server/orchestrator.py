@@ -32,8 +32,10 @@ from edgefl.config import RunConfig
 from edgefl.errors import PayloadError
 from edgefl.messages import RUNNER_KINDS, Message, decode, encode
 from edgefl.methods import MethodSpec
+from edgefl.safetext import printable
 from edgefl.seeding import derive_seed
 from edgefl.server.asynchronous import AsyncLoop, traffic_fields
+from edgefl.server.enrolment import Enrolment
 from edgefl.server.evaluation import Evaluator
 from edgefl.server.rejections import Rejections
 from edgefl.server.upload_checks import upload_problem
@@ -50,6 +52,14 @@ EventSink = Callable[[str, dict[str, Any]], None]
 
 
 ANNOUNCE_SELECTED_MAX = 100  # larger selections are announced as a count: every device receives the announcement
+
+
+def _shown(value: Any, limit: int = 64) -> str:
+    """A value a device sent, for a reason or a log line: repr escapes what is not printable, and
+    at most ``limit`` characters of it are shown."""
+    if not isinstance(value, str):
+        return repr(value)[:limit]
+    return repr(value[:limit]) + ("..." if len(value) > limit else "")
 
 
 def select_devices(cfg: RunConfig, device_ids: list[str], round_no: int) -> list[str]:
@@ -106,7 +116,7 @@ class Orchestrator:
 
     def __init__(self, cfg: RunConfig, spec: MethodSpec, server, transport: ServerTransport | None, device_ids: list[str],
                  federation: str, evaluator: Evaluator, *, deadline_s: float, profiles: dict[str, str] | None = None,
-                 on_event: EventSink | None = None) -> None:
+                 on_event: EventSink | None = None, enrolment: Enrolment | None = None) -> None:
         self.cfg = cfg
         self.net = cfg.network
         self.spec = spec
@@ -119,7 +129,11 @@ class Orchestrator:
         self.deadline_s = deadline_s
         self.profiles = profiles or {}
         self.on_event = on_event or (lambda kind, info: None)
-        self.reassembler = Reassembler(self.net.max_message_bytes, self.net.stale_upload_s)
+        # a partial upload that is not complete by its round's deadline cannot count in that round: dropped then (without
+        # rounds, an asynchronous run keeps it as long as the stale nacks would); network.partial_max_age_s overrides both
+        age = self.net.partial_max_age_s or (max(deadline_s, self.net.stale_upload_s) if cfg.mode == "sync" else self.net.partial_age_limit_s())
+        self.reassembler = Reassembler(self.net.max_message_bytes, self.net.stale_upload_s, max_partial_bytes=self.net.max_partial_bytes_total,
+                                       max_age_s=age)
         self.online: dict[str, bool] = {}
         self.history: list[dict[str, Any]] = []
         self.state: RoundState | None = None
@@ -140,6 +154,8 @@ class Orchestrator:
         self._online_count = 0  # devices whose presence is online (kept with self.online: no scans per message)
         self.async_loop: AsyncLoop | None = AsyncLoop(self) if cfg.mode == "async" else None
         self.stopped_early = False  # should_stop ended the run before its end
+        #: devices that bring their own data (data.partition = "devices") join through it; None: the config assigns data
+        self.enrolment = enrolment
 
     def connect(self, transport: ServerTransport) -> None:
         """Run over ``transport`` (a server that restores its state first connects afterwards)."""
@@ -184,7 +200,7 @@ class Orchestrator:
         try:
             self._handle(item)
         except Exception as exc:  # a bug or a case no check foresaw: refuse the message, keep serving
-            log.exception("unexpected failure handling a message from %s", str(item.peer)[:64])
+            log.exception("unexpected failure handling a message from %s", printable(item.peer, 64))
             try:
                 self._reject(item.peer or "?", None, f"the server could not handle this message ({type(exc).__name__})")
             except Exception:
@@ -219,10 +235,46 @@ class Orchestrator:
             env = self._checked(device, whole, env)  # the reassembled upload goes through the same checks
             if env is None:
                 return
+        if env.type == "join":
+            self._join(device, env)
+            return
         if env.type != "upload":
-            self._reject(device, env, f"devices send uploads and chunks, not {env.type!r}")
+            self._reject(device, env, f"devices send uploads, chunks and joins, not {env.type!r}")
             return
         self._upload(device, env, len(item.payload), item.facts)
+
+    def _join(self, device: str, env: Envelope) -> None:
+        """A device that brings its own data asks for its task, says it is ready, or declines
+        (:mod:`edgefl.server.enrolment`)."""
+        if self.enrolment is None:
+            self._reject(device, env, "this run's devices train on the share the server's config assigns (data.partition is not "
+                                      "\"devices\"): start edgefl client with the run's --config")
+            return
+        info = env.extra.get("info") if isinstance(env.extra.get("info"), dict) else {}
+        stage = info.get("stage")
+        if stage == "hello":
+            task, problem = self.enrolment.hello(device, info, self.run_id)
+            if task is None:
+                self._reject(device, env, problem)
+                self.on_event("declined", {"device": device, "reason": problem})
+                return
+            reply = Envelope("task", self.federation, self._model_version(), "server", reply_to=env.message_id,
+                             model_version=self._model_version(), extra={"info": {"run": self.run_id, "task": task.to_info()}})
+            self.transport.send(device, pack(reply))
+        elif stage == "ready":
+            problem = self.enrolment.ready_report(device, info)
+            if problem:
+                self._reject(device, env, problem)
+                return
+            self._reply(device, env, "ack", status="accepted")
+            self.on_event("enrolled", {"device": device, **self.enrolment.devices[device].to_dict()})
+        elif stage == "decline":
+            reason = self.enrolment.decline(device, info)
+            self._count(device, f"declined: {reason}")
+            self._reply(device, env, "ack", status="accepted", reason="declined: recorded")
+            self.on_event("declined", {"device": device, "reason": reason})
+        else:
+            self._reject(device, env, "a join's info.stage is hello, ready or decline")
 
     def _stranger(self, device: str) -> None:
         """A message from a device id outside the config: refused, and answered on its own down
@@ -267,7 +319,7 @@ class Orchestrator:
         try:
             env = unpack(data, self.net.max_message_bytes)
         except PayloadError as exc:
-            self._reject(device, carrier, str(exc), reply_to=exc.message_id)
+            self._reject(device, carrier, str(exc), reply_to=exc.message_id, round_no=exc.round_no)
             return None
         if env.sender != device:
             self._reject(device, env, f"sender {env.sender!r} in the header is not the topic's device {device!r}")
@@ -286,8 +338,14 @@ class Orchestrator:
         except PayloadError as exc:
             self._reject(device, env, str(exc))
             return None
-        if message.sender != device or message.round != env.round or message.message_id != env.message_id:
-            self._reject(device, env, "the message inside disagrees with its envelope (sender, round or id)")
+        differs = [(name, inside, outside) for name, inside, outside in
+                   (("sender", message.sender, env.sender), ("round", message.round, env.round), ("message_id", message.message_id, env.message_id))
+                   if inside != outside]
+        if differs:
+            # the first field that differs, both values printable and bounded (they come from the device)
+            name, inside, outside = differs[0]
+            self._reject(device, env, f"the message inside disagrees with its envelope: {name} {_shown(inside)} inside, "
+                                      f"{_shown(outside)} in the envelope")
             return None
         declared = env.extra.get("tensors")
         if declared is not None and declared != tensor_manifest(message.tensors):
@@ -402,24 +460,27 @@ class Orchestrator:
         loud = bucket.add(device, reason) if bucket is not None else True
         self.rejections.add(device, reason)
         if loud:
-            log.warning("rejected from %s: %s", device[:64], reason[:300])
-            self.on_event("rejected", {"device": device[:64], "reason": reason[:300]})
+            # ids and reasons quote the network: no fake log lines, no markup that breaks the console printer
+            who, why = printable(device, 64), printable(reason, 300)
+            log.warning("rejected from %s: %s", who, why)
+            self.on_event("rejected", {"device": who, "reason": why})
         return loud
 
-    def _reject(self, device: str, env: Envelope | None, reason: str, reply_to: str | None = None) -> None:
+    def _reject(self, device: str, env: Envelope | None, reason: str, reply_to: str | None = None,
+                round_no: int | None = None) -> None:
         """Refuse: counted, logged (bounded) and, to a device of this federation, a nack that
-        answers the message's id whenever its header parsed."""
+        answers the message's id (and names its round) whenever its header parsed."""
         self._count(device, reason)
         if device not in self._known:
             return
         extra: dict[str, Any] = {"reason": reason[:500]}
         if env is not None:
-            reply_to = answerable_id(env.header())
+            reply_to, round_no = answerable_id(env.header()), env.round
             if env.type == "chunk":
                 missing = self.reassembler.missing(device, env.extra["chunk"]["upload_id"])
                 if missing:
                     extra["missing"] = missing
-        nack = Envelope("nack", self.federation, env.round if env is not None else self._model_version(), "server",
+        nack = Envelope("nack", self.federation, round_no if round_no is not None else self._model_version(), "server",
                         reply_to=reply_to, model_version=self._model_version(), extra=extra)
         self.transport.send(device, pack(nack))
 
@@ -439,8 +500,10 @@ class Orchestrator:
         if item is not None:
             self.handle(item)
         for device, upload_id, missing, dropped in self.reassembler.collect_stale():
-            reason = (f"partial upload {upload_id} dropped after repeated stale nacks; resend every chunk" if dropped
-                      else f"partial upload {upload_id} went stale; resend the missing chunks")
+            shown = printable(upload_id, 64)  # the device chose this id: "[/]" or a newline must not reach the console as such
+            reason = ((f"partial upload {shown} dropped (no progress after repeated stale nacks, or not complete within "
+                       f"network.partial_max_age_s); resend every chunk") if dropped
+                      else f"partial upload {shown} went stale; resend the missing chunks")
             self._count(device, reason)
             env = Envelope("nack", self.federation, self._model_version(), "server", reply_to=upload_id,
                            model_version=self._model_version(), extra={"reason": reason, "missing": missing})
@@ -452,17 +515,34 @@ class Orchestrator:
         run of the same federation, which devices would otherwise read as "done"), then wait until
         every device is online (its subscription exists, so its downloads are queued for it from
         now on) or the timeout passes; returns who is missing."""
-        self.announce(self.last_round, {"selected": [], "deadline_unix": time.time(), "rounds": self.cfg.rounds, "done": False})
+        self.announce(self.last_round, {"selected": [], "selected_count": 0, "target": 0, "deadline_unix": time.time(),
+                                        "rounds": self.cfg.rounds, "done": False,
+                                        **({"mode": "async"} if self.async_loop is not None else {})})  # section 6.1, 6.8
         end = self.transport.now() + timeout_s
         # an asynchronous run starts with the first device: the others join when they come
         enough = 1 if self.async_loop is not None else len(self.device_ids)
-        while self.transport.now() < end and self._online_count < enough and not should_stop():
+        while self.transport.now() < end and self._joined() < enough and not should_stop():
             item = self.transport.receive(min(end - self.transport.now(), 0.5))
             if item is not None:
                 self.handle(item)
+        if self.enrolment is not None:
+            ready = set(self.enrolment.ready())
+            missing = [d for d in self.device_ids if d not in ready]
+            declined = self.enrolment.declined()
+            self.on_event("joined", {"online": len(ready), "missing": [d for d in missing if d not in declined], "declined": declined})
+            return missing
         missing = [d for d in self.device_ids if not self.online.get(d)]
         self.on_event("joined", {"online": len(self.device_ids) - len(missing), "missing": missing})
         return missing
+
+    def can_take_part(self, device: str) -> bool:
+        """Online and, when devices bring their own data, ready."""
+        return bool(self.online.get(device)) and (self.enrolment is None or self.enrolment.is_ready(device))
+
+    def _joined(self) -> int:
+        """Devices nobody needs to wait for before round 1: online ones, or with device-held data
+        those that are ready or declined."""
+        return self._online_count if self.enrolment is None else self.enrolment.settled()
 
     def is_eval_round(self, r: int) -> bool:
         return r % self.cfg.eval.every == 0 or r == self.cfg.rounds
@@ -520,12 +600,15 @@ class Orchestrator:
     def _pool(self) -> list[str]:
         """Who a round selects from: every device, or with ``fleet.per_round`` those online (all
         of them when none is: downloads wait in the broker for devices with a session)."""
+        pool = self.device_ids if self.enrolment is None else self.enrolment.ready()  # devices with their own data: once ready
         if self.cfg.fleet.per_round is None:
-            return self.device_ids
-        online = [d for d in self.device_ids if self.online.get(d)]
-        return online or self.device_ids
+            return pool
+        online = [d for d in pool if self.online.get(d)]
+        return online or pool
 
     def _collect(self, st: RoundState) -> str:
+        if not st.selected:  # no device can take part (with device-held data: none is ready)
+            return "failed"
         quorum = self.net.quorum_count(st.target)
         for device in st.selected:  # offline when the round starts: the grace counts from now
             if self.online.get(device) is False:
@@ -575,6 +658,9 @@ class Orchestrator:
         asked to judge the global model on their own data where it cannot (their own test split
         or feature space); otherwise the accuracies devices reported with their uploads."""
         targets = self.evaluator.personal_targets(self.server)
+        if self.enrolment is not None:  # only devices that are ready can answer
+            ready = set(self.enrolment.ready())
+            targets = [t for t in targets if t in ready]
         answers: dict[str, float] = {}
         if targets:
             answers = self._ask_devices(r, targets)

@@ -24,10 +24,12 @@ from edgefl.methods import get_method
 from edgefl.models import get_spec
 from edgefl.report import draw_plots
 from edgefl.rundir import RunDir
+from edgefl.server.enrolment import Enrolment
 from edgefl.server.evaluation import Evaluator
 from edgefl.server.live import LiveState
 from edgefl.server.methods import ClientInfo
 from edgefl.server.orchestrator import EventSink, Orchestrator
+from edgefl.server.shipping import safe_name, write_ship_plan
 from edgefl.server.state import load_state, save_state
 from edgefl.tracking import Trackers
 from edgefl.transport.base import ServerTransport
@@ -54,8 +56,10 @@ class RunSession:
         self.save_state_each_round = save_state_each_round
         archs = {s.client_id: s.arch for s in parts.slots}
         judged = {s.client_id for s in parts.slots if get_spec(s.model).kind == "classifier"}
-        personal = {s.client_id for s in parts.slots if s.test_indices is not None or s.view is not None}
-        self.evaluator = Evaluator(parts.x_test, parts.y_test, cfg.eval.batch_size, archs, judged, personal)
+        held = cfg.data.device_held  # devices bring their own data: each judges on the share it holds out
+        personal = {s.client_id for s in parts.slots if held or s.test_indices is not None or s.view is not None}
+        self.evaluator = Evaluator(parts.x_test, parts.y_test, cfg.eval.batch_size, archs, judged, personal, held_by_devices=held)
+        self.enrolment = Enrolment(parts, federation) if held else None
         profiles = {s.client_id: s.profile.id for s in parts.slots if s.profile is not None}
         self.live = None
         if run_dir is not None:  # what the dashboard shows while the run goes on
@@ -63,13 +67,18 @@ class RunSession:
                                    "judged": s.client_id in judged, "samples": int(len(s.sample_indices))} for s in parts.slots}
             self.live = LiveState(run_dir.path, facts, cfg.rounds, lambda n: cfg.network.quorum_count(cfg.fleet.target(n)), runner)
         self.orchestrator = Orchestrator(cfg, self.spec, self.server, transport, parts.device_ids, federation, self.evaluator,
-                                         deadline_s=deadline_s, profiles=profiles, on_event=self._events(on_event))
+                                         deadline_s=deadline_s, profiles=profiles, on_event=self._events(on_event),
+                                         enrolment=self.enrolment)
         self.start = self._start_record(runner, federation, start_facts or {})
         self.trackers = Trackers(cfg, None)  # opened when the rounds start (run)
+        #: each device's weights, where this process holds them (a simulation sets it): what ship.json picks from
+        self.device_models: Callable[[], dict[str, dict[str, Any]]] | None = None
         self._t0 = time.perf_counter()
 
     def _events(self, sink: EventSink | None) -> EventSink:
         def on_event(kind: str, info: dict[str, Any]) -> None:
+            if kind in ("enrolled", "declined"):
+                self._write_enrolment()
             if self.live is not None:
                 self.live.on_event(kind, info)
             if sink is not None:
@@ -94,7 +103,25 @@ class RunSession:
             return
         (self.run_dir.path / "config.toml").write_text(self.cfg.to_toml())
         self.run_dir.write_json("run.json", self.start)
-        self.run_dir.write_json("partition.json", partition_record(self.parts.ds, self.parts.slots))
+        if self.enrolment is not None:
+            self._write_enrolment()
+        else:
+            self.run_dir.write_json("partition.json", partition_record(self.parts.ds, self.parts.slots))
+
+    def _write_enrolment(self) -> None:
+        """Devices that bring their own data: what each said it holds (partition.json) as it joins."""
+        if self.run_dir is None or self.enrolment is None:
+            return
+        record = partition_record(self.parts.ds, self.parts.slots)
+        record["held_by_devices"] = True
+        for client in record["clients"]:
+            known = self.enrolment.devices.get(client["client_id"])
+            if known is not None:
+                client.update(num_samples=known.samples, num_test=known.validation, stage=known.stage,
+                              class_counts=known.class_counts or client["class_counts"], **({"reason": known.reason} if known.reason else {}))
+            else:
+                client["stage"] = "not joined"
+        self.run_dir.write_json("partition.json", record)
 
     def resume(self) -> int:
         """Restore the server half and the metrics from the run directory (before any connection
@@ -120,6 +147,8 @@ class RunSession:
         self.orchestrator.accept_early = True  # uploads devices queued while the server was down
         if isinstance(extra.get("run_id"), str):
             self.orchestrator.run_id = extra["run_id"]
+        if self.enrolment is not None:
+            self.enrolment.restore(extra.get("enrolled"))
         return done + 1
 
     # --- rounds ---------------------------------------------------------------------------------
@@ -133,11 +162,13 @@ class RunSession:
             # after every round, so a restarted server resumes where this one stopped
             save_state(self.server, self.run_dir.path / STATE_FILE,
                        {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.orchestrator.run_id,
-                        "device_accuracy": self.evaluator.device_accuracy})
+                        "device_accuracy": self.evaluator.device_accuracy,
+                        **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})})
 
     def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Play the rounds and finish; a KeyboardInterrupt (a second Ctrl-C) still writes what was done."""
+        """Play the rounds and finish; a KeyboardInterrupt (a second Ctrl-C), or any failure of the
+        loop itself, still writes what was done (models, state, summary) before it goes on up."""
         def after(record: dict[str, Any]) -> None:
             self.after_round(record)
             if on_record is not None:
@@ -148,6 +179,13 @@ class RunSession:
             self.orchestrator.run(first_round, after, should_stop)
         except KeyboardInterrupt:
             self.finish(interrupted=True)
+            raise
+        except Exception as exc:  # a bug, a full disk: the rounds played are still worth their files
+            log.exception("the run stopped: %s", type(exc).__name__)
+            try:
+                self.finish(interrupted=True)
+            except Exception:
+                log.exception("could not write the run's results either")
             raise
         return self.finish(interrupted=self.orchestrator.stopped_early)
 
@@ -178,6 +216,12 @@ class RunSession:
         summary["interrupted"] = interrupted
         if self.run_dir is not None:
             save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
+            try:
+                models = self.device_models() if self.device_models is not None else None
+                summary["ship"] = write_ship_plan(self.run_dir, self.cfg, self.parts.ds, self.parts.slots, self.server,
+                                                  self.evaluator.device_accuracy, models, model_meta(self.cfg, self.parts.ds))
+            except Exception:  # the plan is advice: a failure must not lose the run's other results
+                log.exception("could not write ship.json")
             self.run_dir.write_json("summary.json", summary)
             if (self.run_dir.path / "metrics.jsonl").is_file() and self.run_dir.metrics():  # none when stopped before round 1
                 try:
@@ -211,10 +255,6 @@ def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
     """What every saved model's metadata carries about the run (edgefl export reads it)."""
     return {"num_classes": ds.num_classes, "input_shape": list(ds.input_shape), "class_names": list(ds.class_names),
             "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
-
-
-def safe_name(arch: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in arch).strip("_")
 
 
 def save_global_models(run_dir: RunDir, server, cfg: RunConfig, ds: Dataset) -> dict[str, Any]:

@@ -20,6 +20,13 @@ from tests.conftest import method_config
 RUN_FACTS = {"runner", "started", "wall_time_s", "run_dir", "broker", "deadline_s", "simulation"}  # how each runner ran
 
 
+def _ship_choice(plan: dict) -> dict:
+    """What a run ships, without where the weights lie (a simulation holds every device's model and
+    writes it; in a fleet the chosen model stays on its device)."""
+    return {**plan, "models": {a: {k: v for k, v in m.items() if k not in ("file", "where")} for a, m in plan["models"].items()},
+            "phones": {p: {k: v for k, v in c.items() if k != "file"} for p, c in plan["phones"].items()}}
+
+
 def _config(method: str, rounds: int = 1) -> RunConfig:
     raw = method_config(method, rounds=rounds)
     raw["threads"] = 1
@@ -40,7 +47,10 @@ def _records(path) -> list[dict]:
 
 
 def _summary(path) -> dict:
-    return {k: v for k, v in json.loads((path / "summary.json").read_text()).items() if k not in RUN_FACTS}
+    out = {k: v for k, v in json.loads((path / "summary.json").read_text()).items() if k not in RUN_FACTS}
+    if "ship" in out:
+        out["ship"] = _ship_choice(out["ship"])
+    return out
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -52,8 +52,9 @@ def test_run_directory_contents(tmp_path):
     assert load_config(root / "config.toml").to_dict() == sim.cfg.to_dict()
     part = json.loads((root / "partition.json").read_text())
     assert sum(c["num_samples"] for c in part["clients"]) == len(sim.ds.y_train)
-    models = sorted((root / "models").glob("*.safetensors"))
+    models = sorted((root / "models").glob("client-*.safetensors"))  # each device's own, beside what ships (ship-*)
     assert len(models) == 4
+    assert len(list((root / "models").glob("ship-*.safetensors"))) == 2 and (root / "ship.json").is_file()
     state, meta = load_model_file(models[0])
     assert meta["model"] == "fedhe-cnn-0" and meta["model_options"] == {"width": 0.125} and state
     assert {p.name for p in draw_plots(RunDir(root))} == {"accuracy.png", "communication.png", "partition.png"}

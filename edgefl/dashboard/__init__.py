@@ -1,5 +1,5 @@
 """``edgefl dashboard`` and ``--dashboard``: a live, read-only web page over a run directory
-(:mod:`edgefl.dashboard.app`). Needs ``pip install 'edgefl[dashboard]'`` (Starlette, uvicorn)."""
+(:mod:`edgefl.dashboard.app`). Needs ``pip install -e '.[dashboard]' in the edgefl checkout`` (Starlette, uvicorn)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def start_dashboard(run_dir: str | Path, host: str = "127.0.0.1", port: int = 80
 
         from edgefl.dashboard.app import create_app
     except ImportError:
-        raise EdgeflError("the dashboard needs starlette and uvicorn", hint="pip install 'edgefl[dashboard]'") from None
+        raise EdgeflError("the dashboard needs starlette and uvicorn", hint="pip install -e '.[dashboard]' in the edgefl checkout") from None
     if host not in LOOPBACK and token is None:
         token = secrets.token_urlsafe(16)
     app = create_app(run_dir, token=token)

@@ -314,7 +314,7 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
         from sklearn.datasets import load_breast_cancer, load_digits
         from sklearn.model_selection import train_test_split
     except ImportError:
-        raise DataError(f"{name} needs scikit-learn", hint="pip install 'edgefl[sim]'") from None
+        raise DataError(f"{name} needs scikit-learn", hint="pip install -e '.[sim]' in the edgefl checkout") from None
     if name == "digits":
         raw = load_digits()
         x = raw.data.reshape(-1, 1, 8, 8).astype(np.float32) / 16.0

@@ -103,7 +103,7 @@ def start_embedded(workdir: Path, port: int | None = None, timeout_s: float = 20
 
     if importlib.util.find_spec("amqtt") is None:
         raise EdgeflError("no mosquitto binary and no embedded broker (amqtt) installed",
-                          hint="apt-get install mosquitto (preferred), or pip install 'edgefl[broker]'")
+                          hint="apt-get install mosquitto (preferred), or pip install -e '.[broker]' in the edgefl checkout")
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log = open(workdir / "embedded-broker.log", "ab")

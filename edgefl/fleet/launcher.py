@@ -16,13 +16,14 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -53,9 +54,31 @@ def training_digest(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 
+T = TypeVar("T")
+
+
+def connect_retrying(connect: Callable[[], T], wait_s: float, say: Callable[[str], None] = log.warning) -> T:
+    """``connect()``, tried again with growing pauses (1 s doubling to 30 s) while the broker is
+    unreachable, for at most ``wait_s`` seconds (``inf``: until it answers, what a device started
+    at boot before its broker needs; 0: one try)."""
+    from edgefl.errors import BrokerUnreachable
+
+    deadline = time.monotonic() + wait_s
+    pause = 1.0
+    while True:
+        try:
+            return connect()
+        except BrokerUnreachable as exc:
+            if time.monotonic() + pause > deadline:
+                raise
+            say(f"{exc.message}; trying again in {pause:.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 30.0)
+
+
 def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | None = None,
                username: str | None = None, password: str | None = None, ca_file: str | None = None,
-               state_dir: Path | None = None) -> dict[int, dict[str, Any]]:
+               state_dir: Path | None = None, broker_wait_s: float = 0.0, verifier: Any = None) -> dict[int, dict[str, Any]]:
     """Serve one device until the server's run is done (``state_dir``: where it keeps its state
     to resume after a crash; None keeps nothing)."""
     from edgefl.device import DeviceLoop
@@ -73,12 +96,12 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     x_test, y_test = parts.x_test, parts.y_test
     del parts  # the whole data set: the device keeps its own samples and the test subset
     topics = Topics(federation(cfg))
-    transport = MqttDeviceTransport.connect(broker, topics, device_id, max_packet_bytes=packet_limit(cfg),
-                                            keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
-                                            username=username, password=password, ca_file=ca_file)
+    transport = connect_retrying(lambda: MqttDeviceTransport.connect(
+        broker, topics, device_id, max_packet_bytes=packet_limit(cfg), keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
+        username=username, password=password, ca_file=ca_file), broker_wait_s)
     try:
         store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
-        loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store)
+        loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store, verifier)
         saved = loop.restore()
         if saved is not None:
             log.warning("%s: found the state it saved after round %d in %s (used if the server runs the same run)",
@@ -88,15 +111,57 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
         transport.close()
 
 
+def run_device_held(device_id: str, broker: str, federation_name: str, data: Path, *, loader: str | None = None,
+                    profile: dict[str, Any] | None = None, timeout_s: float | None = None, username: str | None = None,
+                    password: str | None = None, ca_file: str | None = None, state_dir: Path | None = None,
+                    say: Callable[[str], None] = log.warning, broker_wait_s: float = 0.0, verifier: Any = None) -> dict[int, dict[str, Any]]:
+    """Serve one device that trains on data only it holds (``data``): it gets its task from the
+    server (:mod:`edgefl.enrol`), needs no run config and no data set of the server's."""
+    from edgefl.config import NetworkSettings
+    from edgefl.device import DeviceLoop
+    from edgefl.device_state import DeviceStateStore
+    from edgefl.enrol import join_run, task_digest
+    from edgefl.fleet.broker import MQTT_MAX_PACKET
+    from edgefl.transport.mqtt import MqttDeviceTransport
+
+    topics = Topics(federation_name)
+    defaults = NetworkSettings()  # the task brings the run's own settings; these only carry the join
+    transport = connect_retrying(lambda: MqttDeviceTransport.connect(
+        broker, topics, device_id, max_packet_bytes=MQTT_MAX_PACKET, keepalive_s=defaults.keepalive_s, protocol=defaults.protocol,
+        username=username, password=password, ca_file=ca_file), broker_wait_s, say)
+    try:
+        joined = join_run(transport, device_id, topics.federation, data, loader=loader, profile=profile, timeout_s=timeout_s, say=say,
+                          verifier=verifier)
+        task = joined.task
+        if task.threads:
+            import torch
+
+            torch.set_num_threads(task.threads)
+        say(f"{device_id}: {task.method.name} run {task.run}, training {task.model.arch} on {joined.samples - joined.validation} of its "
+            f"{joined.samples} samples ({joined.validation} held out to validate), from {joined.source}")
+        for note in joined.notes:
+            say(f"{device_id}: {note}")
+        store = DeviceStateStore(state_dir, device_id, topics.federation, task_digest(task)) if state_dir else None
+        loop = DeviceLoop(joined.client, transport, topics.federation, task.network, None, None, task.eval_batch_size, store, verifier)
+        loop.restore()
+        return loop.run(timeout_s)
+    finally:
+        transport.close()
+
+
 def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console | None = None,
           on_event: Callable[[str, dict[str, Any]], None] | None = None,
           username: str | None = None, password: str | None = None, ca_file: str | None = None,
           join_timeout_s: float | None = None, resume: bool = False, parts: RunParts | None = None,
-          should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+          should_stop: Callable[[], bool] = lambda: False, signing_key: Path | None = None) -> dict[str, Any]:
     """Run the server side of ``cfg`` against the devices that join through ``broker`` (``parts``:
-    the run already built, so a caller can check config and data before it creates anything)."""
+    the run already built, so a caller can check config and data before it creates anything;
+    ``signing_key``: sign every message to the devices, edgefl.transport.signing)."""
     from edgefl.server.session import RunSession
     from edgefl.transport.mqtt import MqttServerTransport
+    from edgefl.transport.signing import Signer, signing_transport
+
+    signer = Signer.load(signing_key) if signing_key is not None else None  # a bad key file fails before anything starts
 
     if cfg.threads:
         import torch
@@ -111,7 +176,7 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     first = session.resume() if resume else 1
     transport = MqttServerTransport.connect(broker, topics, max_packet_bytes=packet_limit(cfg), keepalive_s=cfg.network.keepalive_s,
                                             protocol=cfg.network.protocol, username=username, password=password, ca_file=ca_file)
-    session.orchestrator.connect(transport)
+    session.orchestrator.connect(signing_transport(transport, signer))
     if not resume:
         session.write_start()
     elif on_event:
@@ -129,9 +194,14 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
 def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, console: Console | None = None,
               broker: str | None = None, device_timeout_s: float = 600.0, broker_kind: str = "auto",
               on_event: Callable[[str, dict[str, Any]], None] | None = None, parts: RunParts | None = None,
-              should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+              should_stop: Callable[[], bool] = lambda: False, keep: bool = False) -> dict[str, Any]:
     """A broker (mosquitto on a free loopback port unless ``broker`` is given), the server in this
-    process and one ``edgefl client`` process per device."""
+    process and one ``edgefl client`` process per device.
+
+    Their files (device logs and state, the broker's config and log) go into a temporary
+    ``edgefl-fleet-*`` folder, removed after a clean run (every round complete, every device exited
+    with 0) unless ``keep``; kept, and named, when anything failed (``summary["logs"]`` is None
+    when it was removed)."""
     from edgefl.fleet.broker import mosquitto_binary, start_embedded, start_mosquitto
 
     console = console or Console(stderr=True)
@@ -156,6 +226,7 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
     procs: dict[str, subprocess.Popen] = {}
     logs = work / "devices"
     logs.mkdir()
+    clean = False
     try:
         for device in ids:
             with open(logs / f"{device}.log", "wb") as log:
@@ -174,6 +245,10 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
                 console.print(f"[yellow]{device} did not exit after the run: stopping it[/]")
         summary["device_exit_codes"] = {d: p.poll() for d, p in procs.items()}
         summary["logs"] = str(logs)
+        clean = (not keep and not summary.get("interrupted") and not summary.get("failed_rounds")
+                 and set(summary["device_exit_codes"].values()) <= {0})
+        if clean:
+            summary["logs"] = None
         return summary
     finally:
         for proc in procs.values():
@@ -186,6 +261,10 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
                 proc.kill()
         if local is not None:
             local.stop()
+        if clean:
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # a failure (or --keep): what the devices and the broker wrote is where it says
+            console.print(f"device logs and broker files kept in {work}")
 
 
 def packet_limit(cfg: RunConfig) -> int:

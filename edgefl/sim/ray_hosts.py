@@ -77,12 +77,14 @@ def class_shares(slots: list[DeviceSlot], actors: int) -> list[tuple[list[str], 
 
 def start_ray_hosts(sim: SimulationSettings, config_toml: str, shares: list[tuple[list[str], bool]], threads: int | None) -> list[Host]:
     """One actor per share; a share whose device class has no CUDA accelerator asks for no GPU
-    (Ray then hides the GPUs from it, and ``device = "auto"`` trains it on the CPU)."""
+    (Ray then hides the GPUs from it, and ``device = "auto"`` trains it on the CPU). Every actor
+    trains with ``threads``, the run's thread count (:func:`edgefl.sim.engine.run_threads`),
+    whatever CPUs it asks Ray for: the numbers are those of one process."""
     try:
         import ray
     except ImportError:
         raise ConfigError('simulation.backend = "ray" needs Ray in this environment',
-                          hint="pip install 'edgefl[ray]' (or set simulation.backend = \"local\")") from None
+                          hint="pip install -e '.[ray]' in the edgefl checkout (or set simulation.backend = \"local\")") from None
     if not ray.is_initialized():
         try:
             ray.init(address=sim.ray_address, include_dashboard=False, log_to_driver=True, configure_logging=False)

@@ -1,0 +1,277 @@
+"""Real devices that train on data only they hold: `edgefl client --data` with no run config joins
+an `edgefl server` over mosquitto, gets its task from the server, reads its own folder of images
+(or its own CSV table) and trains; a device holding a class the federation does not know declines
+with the reason while the run goes on (issue: devices own their data)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgefl.config import RunConfig
+from tests.mosquitto import mosquitto
+
+pytest.importorskip("PIL")
+
+
+def _fashion():
+    from edgefl.data import load_dataset
+
+    try:
+        return load_dataset("fashion-mnist", download=False)
+    except Exception as exc:  # the Debian package is not installed here
+        pytest.skip(f"Fashion-MNIST files not available: {exc}")
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in name).strip("-").lower()
+
+
+def write_image_folder(root: Path, ds, classes: list[int], per_class: int, offset: int, extra: str | None = None) -> dict[str, int]:
+    """Real Fashion-MNIST images as PNG files, one sub-folder per class (named as people would:
+    a slug of the class name, since "T-shirt/top" cannot be a folder name)."""
+    from PIL import Image
+
+    labels = ds.y_train.numpy()
+    counts = {}
+    for c in classes:
+        folder = root / _slug(ds.class_names[c])
+        folder.mkdir(parents=True)
+        idx = np.flatnonzero(labels == c)[offset: offset + per_class]
+        for i in idx:
+            pixels = (ds.x_train[i, 0].numpy() * 255).round().astype(np.uint8)
+            Image.fromarray(pixels, mode="L").save(folder / f"{i}.png")
+        counts[ds.class_names[c]] = len(idx)
+    if extra is not None:  # a class the federation does not know
+        folder = root / extra
+        folder.mkdir()
+        Image.fromarray(np.zeros((28, 28), np.uint8), mode="L").save(folder / "0.png")
+    return counts
+
+
+def _config(tmp_path: Path, method: str, groups: list[dict], federation: str, **data) -> Path:
+    raw = {
+        "name": f"held-{method}", "seed": 0, "rounds": 2,
+        "method": {"name": method},
+        "data": {"partition": "devices", **data},
+        "train": {"epochs": 1, "batch_size": 32, "max_steps": 4},
+        "fleet": {"groups": groups},
+        "network": {"federation": federation, "round_deadline_s": 60, "quorum": 0.5},
+        "eval": {"every": 1},
+    }
+    cfg = RunConfig.model_validate(raw)
+    path = tmp_path / "server.toml"
+    path.write_text(cfg.to_toml())
+    return path
+
+
+def _edgefl(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgefl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run_fleet(tmp_path: Path, config: Path, federation: str, data: dict[str, Path]) -> tuple[subprocess.Popen, dict, Path]:
+    run = tmp_path / "run"
+    with mosquitto(tmp_path) as broker:
+        server = _edgefl("server", "--broker", broker, "--config", str(config), "--out", str(run))
+        devices = {d: _edgefl("client", "--broker", broker, "--device-id", d, "--data", str(path), "--federation", federation,
+                              "--timeout", "150") for d, path in data.items()}
+        try:
+            outcome = {d: (p.wait(timeout=180), p.stderr.read()) for d, p in devices.items()}
+            server.wait(timeout=60)
+        finally:
+            for p in [server, *devices.values()]:
+                if p.poll() is None:
+                    p.kill()
+    return server, outcome, run
+
+
+@pytest.mark.parametrize("method,groups", [
+    ("fedhe", [{"model": "lenet5", "count": 2}, {"model": "cnn-small", "count": 2}]),
+    ("fedavg", [{"model": "lenet5", "count": 4}]),
+])
+def test_devices_with_their_own_image_folders_finish_a_run_and_a_stranger_class_is_refused(tmp_path, method, groups):
+    ds = _fashion()
+    held = {  # label skew: each device holds a few classes of its own
+        "client-0": ([0, 1, 2, 3], 30, 0, None),
+        "client-1": ([3, 4, 5, 6], 30, 100, None),
+        "client-2": ([6, 7, 8, 9], 30, 200, None),
+        "client-3": ([0, 9], 10, 300, "unicorn"),
+    }
+    data, written = {}, {}
+    for device, (classes, n, offset, extra) in held.items():
+        data[device] = tmp_path / "devices" / device
+        written[device] = write_image_folder(data[device], ds, classes, n, offset, extra)
+    federation = f"held-{method}"
+    config = _config(tmp_path, method, groups, federation, dataset="fashion-mnist", test_samples=500)
+    server, outcome, run = _run_fleet(tmp_path, config, federation, data)
+
+    assert server.returncode == 0, server.stderr.read()[-3000:]
+    for device in ("client-0", "client-1", "client-2"):
+        code, stderr = outcome[device]
+        assert code == 0, f"{device}: {stderr[-2000:]}"
+        assert "training" in stderr and "held out to validate" in stderr
+    code, stderr = outcome["client-3"]
+    assert code == 2, stderr[-2000:]
+    assert "unicorn" in stderr and "cannot take part" in stderr
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    assert all(sorted(r["reported"]) == ["client-0", "client-1", "client-2"] for r in records)
+    assert all(r["outcome"] in ("complete", "deadline") for r in records)
+    partition = json.loads((run / "partition.json").read_text())
+    assert partition["held_by_devices"] is True
+    by_id = {c["client_id"]: c for c in partition["clients"]}
+    assert by_id["client-3"]["stage"] == "declined" and "unicorn" in by_id["client-3"]["reason"]
+    for device in ("client-0", "client-1", "client-2"):
+        got = by_id[device]
+        assert got["stage"] == "ready"
+        expected = [written[device].get(name, 0) for name in ds.class_names]
+        assert got["class_counts"] == expected
+        assert got["num_samples"] == sum(expected) and 1 <= got["num_test"] < got["num_samples"]
+    accuracy = records[-1]["accuracy"]
+    assert accuracy["overall"] is not None
+    if method == "fedavg":  # a global model: judged on the server's test set, devices' own validation beside it
+        assert accuracy["judged_on"] == "server test set"
+        assert set(accuracy["device_validation"]["per_client"]) == {"client-0", "client-1", "client-2"}
+    else:  # FedHe keeps a model per device: each judges its own on the data it held out
+        assert accuracy["judged_on"] == "devices' own validation data"
+        assert set(accuracy["per_client"]) == {"client-0", "client-1", "client-2"}
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_rounds"] == []
+    assert any("declined" in reason for reason in json.dumps(summary["rejections"]).split('"'))
+
+
+def test_a_csv_holding_chfl_device_trains_on_its_own_table(tmp_path):
+    sklearn = pytest.importorskip("sklearn.datasets")
+    raw = sklearn.load_breast_cancer()
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(raw.target))
+    data = {}
+    for k, device in enumerate(["client-0", "client-1"]):
+        rows = order[k * 150:(k + 1) * 150]
+        path = tmp_path / f"{device}.csv"
+        with open(path, "w", newline="") as fh:
+            out = csv.writer(fh)
+            out.writerow([*raw.feature_names, "label"])
+            for i in rows:
+                out.writerow([*(f"{v:.6g}" for v in raw.data[i]), raw.target_names[raw.target[i]]])
+        data[device] = path
+    federation = "held-chfl"
+    groups = [{"model": "mlp", "count": 2, "options": {"hidden": [32], "feature_dim": 64}}]
+    config = _config(tmp_path, "chfl", groups, federation, dataset="breast-cancer")
+    server, outcome, run = _run_fleet(tmp_path, config, federation, data)
+    assert server.returncode == 0, server.stderr.read()[-3000:]
+    for device, (code, stderr) in outcome.items():
+        assert code == 0, f"{device}: {stderr[-2000:]}"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(r["reported"]) for r in records] == [["client-0", "client-1"]] * 2
+    assert records[-1]["accuracy"]["overall"] > 0.6  # standardised with the task's statistics, the table is learnable
+
+
+def test_a_device_started_before_its_broker_keeps_trying_and_joins(tmp_path):
+    """What a device started at boot does (the systemd unit of docs/deploy.md: --broker-wait inf)."""
+    import time
+
+    from edgefl.fleet.broker import free_port, mosquitto_binary, start_mosquitto
+
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed")
+    ds = _fashion()
+    data = {"client-0": tmp_path / "c0", "client-1": tmp_path / "c1"}
+    write_image_folder(data["client-0"], ds, [0, 1, 2], 20, 0)
+    write_image_folder(data["client-1"], ds, [2, 3, 4], 20, 50)
+    config = _config(tmp_path, "fedavg", [{"model": "cnn-small", "count": 2}], "held-boot", dataset="fashion-mnist", test_samples=200)
+    port = free_port()
+    broker = f"mqtt://127.0.0.1:{port}"
+    early = _edgefl("client", "--broker", broker, "--device-id", "client-0", "--data", str(data["client-0"]),
+                    "--federation", "held-boot", "--broker-wait", "inf", "--timeout", "150")
+    gave_up = _edgefl("client", "--broker", broker, "--device-id", "client-1", "--data", str(data["client-1"]),
+                      "--federation", "held-boot", "--broker-wait", "2")
+    assert gave_up.wait(timeout=60) == 2 and "cannot reach the broker" in gave_up.stderr.read()
+    time.sleep(3)  # the early device is retrying by now
+    local = start_mosquitto(tmp_path / "mosquitto", port=port)
+    try:
+        late = _edgefl("client", "--broker", broker, "--device-id", "client-1", "--data", str(data["client-1"]),
+                       "--federation", "held-boot", "--timeout", "150")
+        server = _edgefl("server", "--broker", broker, "--config", str(config), "--out", str(tmp_path / "run"))
+        try:
+            assert server.wait(timeout=180) == 0, server.stderr.read()[-2000:]
+            code, stderr = early.wait(timeout=60), early.stderr.read()
+            assert code == 0 and "trying again in" in stderr, stderr[-2000:]
+            assert late.wait(timeout=60) == 0
+        finally:
+            for p in (early, late, server):
+                if p.poll() is None:
+                    p.kill()
+    finally:
+        local.stop()
+
+
+def _held_parts(groups: list[dict], **train):
+    from edgefl.build import build_run
+
+    _fashion()
+    cfg = RunConfig.model_validate({"method": {"name": "fedavg"}, "data": {"dataset": "fashion-mnist", "partition": "devices"},
+                                    "fleet": {"groups": groups}, "train": train})
+    return build_run(cfg)
+
+
+def test_the_server_refuses_a_device_whose_profile_cannot_train_its_model_saying_what_would_fit():
+    from edgefl.profile import load_profile
+    from edgefl.server.enrolment import Enrolment
+    from edgefl.task import parse_task
+
+    enrolment = Enrolment(_held_parts([{"model": "resnet18", "count": 3}]), "fed")
+    task, why = enrolment.hello("client-0", {"profile": load_profile("esp32-s3").to_dict()}, "run-1")
+    assert task is None and "cannot train resnet18" in why and "too small for any zoo model" in why
+    task, why = enrolment.hello("client-1", {"profile": load_profile("wristband-mcu").to_dict()}, "run-1")
+    assert task is None and "the largest model it could train is" in why
+    assert enrolment.declined() == ["client-0", "client-1"]
+    task, why = enrolment.hello("client-2", {"profile": load_profile("pi4-4gb").to_dict()}, "run-1")
+    assert why == "" and task.model.name == "resnet18" and task.device == "client-2" and task.run == "run-1"
+    assert parse_task(task.to_info()) == task  # what travels is what was meant
+    assert task.data.class_names[0] == "T-shirt/top" and task.data.input_shape == [1, 28, 28] and task.data.pixel_divisor == 255.0
+    _, why = enrolment.hello("client-2", {"profile": {"id": "x"}}, "run-1")
+    assert "not a valid device profile" in why
+
+
+def test_ready_reports_are_checked_like_uploads():
+    from edgefl.server.enrolment import Enrolment
+
+    enrolment = Enrolment(_held_parts([{"model": "lenet5", "count": 2}]), "fed")
+    enrolment.hello("client-0", {}, "run-1")
+    good = {"samples": 30, "validation": 3, "class_counts": [10, 20] + [0] * 8}
+    for bad, why in [({**good, "samples": 0}, "positive"), ({**good, "samples": True}, "positive"), ({**good, "validation": 31}, "between"),
+                     ({**good, "class_counts": [30]}, "10 non-negative"), ({**good, "class_counts": [10, 19] + [0] * 8}, "sum to 29"),
+                     ({**good, "class_counts": [-1, 31] + [0] * 8}, "non-negative")]:
+        assert why in enrolment.ready_report("client-0", bad)
+    assert enrolment.ready() == []
+    assert enrolment.ready_report("client-0", good) == "" and enrolment.ready() == ["client-0"]
+    snapshot = enrolment.snapshot()
+    again = Enrolment(enrolment.parts, "fed")
+    again.restore(snapshot)  # what a resumed server knows of the devices that had joined
+    assert again.ready() == ["client-0"] and again.devices["client-0"].class_counts == good["class_counts"]
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"rounds": 10**9}, "rounds"), ({"seed": -1}, "seed"), ({"method": {"name": "nope", "options": {}}}, "unknown method"),
+    ({"model": {"name": "resnet999", "options": {}, "arch": "x"}}, "not a model"), ({"extra": 1}, "extra"),
+    ({"data": {"kind": "image", "class_names": ["a"], "input_shape": [1, 28, 28]}}, "class_names"),
+    ({"train": {"epochs": 1.0}}, "epochs"),
+])
+def test_a_hostile_task_is_refused_with_the_field_named(change, expected):
+    from edgefl.errors import PayloadError
+    from edgefl.server.enrolment import Enrolment
+    from edgefl.task import parse_task
+
+    task = Enrolment(_held_parts([{"model": "lenet5", "count": 2}]), "fed").task("client-0", "run-1").to_info()
+    with pytest.raises(PayloadError, match=expected):
+        parse_task({**task, **change})
+    with pytest.raises(PayloadError):
+        parse_task(["not", "a", "task"])

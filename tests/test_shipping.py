@@ -1,0 +1,45 @@
+"""Which model a phone gets from a run (ship.json) and what `edgefl export RUN_DIR` exports by default."""
+
+from __future__ import annotations
+
+import json
+
+from edgefl.config import RunConfig
+from edgefl.exporters.source import sources_from_path
+from edgefl.rundir import RunDir
+from edgefl.sim import Simulation
+from tests.conftest import digits_config
+
+
+def _run(tmp_path, method: str):
+    raw = digits_config(method, rounds=1)
+    raw["fleet"]["groups"][0]["count"] = 3
+    run = RunDir.create(tmp_path / method, raw["name"], 0)
+    Simulation(RunConfig.model_validate(raw), run, show_progress=False).run()
+    return run.path, json.loads((run.path / "ship.json").read_text())
+
+
+def test_a_per_device_method_ships_the_best_device_of_each_architecture_and_exports_only_that(tmp_path):
+    path, plan = _run(tmp_path, "fedhe")
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    reported = records[-1]["accuracy"]["per_client"]
+    assert plan["kind"] == "best device per architecture" and set(plan["models"]) == {"fedhe-cnn-0(width=0.125)", "mlp(hidden=[32, 16])"}
+    cnn = plan["models"]["fedhe-cnn-0(width=0.125)"]
+    members = ["client-0", "client-1", "client-2"]
+    assert cnn["device"] == max(members, key=lambda d: reported[d]) and cnn["accuracy"] == reported[cnn["device"]]
+    assert (path / cnn["file"]).is_file() and "best of the 3 device(s)" in cnn["why"]
+    assert set(plan["phones"]) == {"android-midrange", "iphone-15"}
+    assert all(p["arch"] in plan["models"] for p in plan["phones"].values())
+    shipped = sources_from_path(path)
+    assert sorted(s.name for s in shipped) == sorted(f"ship-{n}" for n in ("fedhe-cnn-0_width_0.125", "mlp_hidden__32__16"))
+    assert len(sources_from_path(path, every=True)) == 5 + 2  # five devices' private models and the two shipped
+    summary = json.loads((path / "summary.json").read_text())
+    assert summary["ship"]["models"].keys() == plan["models"].keys()
+    assert summary["final_accuracy"]["judged_on"].startswith("shared test set")
+
+
+def test_a_method_with_global_models_ships_them(tmp_path):
+    path, plan = _run(tmp_path, "fedavg")
+    assert plan["kind"] == "global"
+    assert all(m["file"].startswith("models/global-") and (path / m["file"]).is_file() for m in plan["models"].values())
+    assert all(s.name.startswith("global-") for s in sources_from_path(path))
