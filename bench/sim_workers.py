@@ -4,7 +4,8 @@ one round's wall time, both ways in one run, side by side, and whether the numbe
     ./dev.sh bench sim_workers                  # 10 FedHe CNNs (one of each), Fashion-MNIST
     ./dev.sh bench sim_workers --clients 20 --steps 20
 
-One process uses all the machine's torch threads; N workers use threads/N each (the default split).
+One process uses all the machine's torch threads; N workers use threads/N each (set here: by default every
+worker would train with the run's thread count, all of them, so that its numbers are those of one process).
 The round is played once to warm up (worker start-up and data loading out of the timing), then timed.
 """
 
@@ -54,7 +55,8 @@ def main() -> None:
     split = max(1, threads // args.workers)
     one, numbers_one = timed(config(args.clients, args.steps, 1))
     narrow, numbers_narrow = timed(config(args.clients, args.steps, 1, split))
-    many, numbers_many = timed(config(args.clients, args.steps, args.workers))
+    # workers get the run's threads (the default: all of this process's): split them for speed
+    many, numbers_many = timed(config(args.clients, args.steps, args.workers, split))
     print(f"{args.clients} FedHe CNN clients, {args.steps} steps of 50 each, one round:")
     print(f"  one process, {threads} threads:       {one:7.2f} s")
     print(f"  one process, {split} thread(s):        {narrow:7.2f} s")

@@ -14,12 +14,19 @@ Each file is written to a temporary name, flushed and renamed, and ``state.json`
 at any moment leaves the previous round's complete state. Training is seeded by (seed, device,
 round), so a device that crashed mid-round and retrains it from the saved state produces the
 same upload as if it had never crashed.
+
+State of another config (or federation, or state format) and state of another run are never
+deleted: the files are moved into ``old/<UTC time>/`` inside the folder, with a log line, and the
+device starts afresh (docs/PROTOCOL.md section 9). State of another device id is an error: two
+devices sharing one folder would otherwise keep moving each other's state aside.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,9 @@ STATE_JSON = "state.json"
 CARRY = "carry.safetensors"
 UPLOAD = "upload.edfl"
 FORMAT = "edgefl-device-state/1"
+OLD = "old"  # where state of another config or run is kept: <folder>/old/<UTC time>/
+
+log = logging.getLogger("edgefl.device")
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -49,8 +59,37 @@ class DeviceStateStore:
     def __init__(self, directory: str | Path, device: str, federation: str, config_sha256: str) -> None:
         self.directory = Path(directory)
         self.identity = {"format": FORMAT, "device": device, "federation": federation, "config_sha256": config_sha256}
+        #: (the run,) whose state :meth:`load` found in the folder, None when it found none: a save
+        #: for another run first moves that state aside rather than overwriting it
+        self._held: tuple[str | None] | None = None
+
+    def set_aside(self, why: str) -> Path | None:
+        """Move the saved files into ``old/<UTC time>/`` (never deleted) and say so; returns where
+        they went, None when there was nothing to move."""
+        present = [self.directory / name for name in (STATE_JSON, CARRY, UPLOAD) if (self.directory / name).exists()]
+        if not present:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = self.directory / OLD / stamp
+        n = 1
+        while target.exists():  # two set-asides within a second keep both
+            target = self.directory / OLD / f"{stamp}-{n}"
+            n += 1
+        try:
+            target.mkdir(parents=True)
+            for path in present:
+                os.replace(path, target / path.name)
+        except OSError as exc:
+            raise EdgeflError(f"cannot move the device state in {self.directory} aside ({why}): {exc.strerror or exc}",
+                              hint="free some space, or pass a writable --state-dir") from None
+        log.warning("%s: the saved state in %s is from %s: moved it to %s (kept, not used); this device starts afresh",
+                    self.identity["device"], self.directory, why, target)
+        return target
 
     def save(self, round_no: int, run: str | None, carry: dict[str, torch.Tensor], upload: bytes) -> None:
+        if self._held is not None and self._held[0] != run:
+            self.set_aside(f"another run ({self._held[0]}, not {run})")
+        self._held = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _atomic_write(self.directory / CARRY, lambda p: save_file({k: v.contiguous() for k, v in carry.items()}, str(p)))
@@ -63,8 +102,9 @@ class DeviceStateStore:
 
     def load(self) -> tuple[int, str | None, dict[str, torch.Tensor], bytes] | None:
         """(round, run, carried tensors, packed upload) of the last round saved; None when the folder
-        holds no state. State of another device, federation or config is an error, not ignored:
-        continuing from it would silently mix two runs."""
+        holds no state, or held state of another config, federation or format (moved aside: a
+        changed config starts afresh, section 9). State of another device is an error: continuing
+        from it would mix two devices, and moving it would take it from the device it belongs to."""
         path = self.directory / STATE_JSON
         if not path.is_file():
             return None
@@ -78,9 +118,14 @@ class DeviceStateStore:
             raise EdgeflError(f"the device state in {self.directory} is unreadable: {exc}",
                               hint="delete that folder to start this device afresh") from None
         theirs = {k: info.get(k) for k in self.identity}
+        if theirs["device"] != self.identity["device"]:
+            raise EdgeflError(f"the device state in {self.directory} belongs to device {str(theirs['device'])[:64]!r}, "
+                              f"not {self.identity['device']!r}",
+                              hint="give every device its own --state-dir (the default is one folder per device id)")
         if theirs != self.identity:
             differs = ", ".join(k for k in self.identity if theirs[k] != self.identity[k])
-            raise EdgeflError(f"the device state in {self.directory} belongs to another run ({differs} differ)",
-                              hint="pass another --state-dir, or delete that folder to start this device afresh")
+            self.set_aside(f"another config ({differs} differ)")
+            return None
         run = info.get("run") if isinstance(info.get("run"), str) else None
+        self._held = (run,)
         return info["round"], run, tensors, upload

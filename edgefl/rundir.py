@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -24,20 +25,65 @@ from safetensors.torch import load_file, save_file
 from edgefl.errors import EdgeflError
 
 
+#: what a run directory may hold (besides temporary ``*.tmp`` files): ``--overwrite`` deletes a
+#: folder holding nothing else (a file a run newly writes belongs here)
+RUN_ENTRIES = frozenset({"config.toml", "run.json", "partition.json", "metrics.jsonl", "summary.json", "live.json", "plots", "models",
+                         "server-state.safetensors", "tensorboard", "mlruns", "export", "ship.json", "baseline"})
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.made_folder = False  # create() made the folder itself (so discard_unrecorded() may remove it, not only empty it)
 
     @classmethod
-    def create(cls, out: str | Path | None, name: str, seed: int) -> RunDir:
+    def create(cls, out: str | Path | None, name: str, seed: int, overwrite: bool = False) -> RunDir:
+        """A new run directory. ``overwrite``: replace one that recorded no round (a run that
+        failed or was stopped before round 1); one with rounds in metrics.jsonl is never replaced."""
         if out is None:
             out = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-s{seed}"
         path = Path(out)
         if path.exists() and any(path.iterdir()):
-            raise EdgeflError(f"run directory {path} already exists and is not empty", hint="pass another --out, or remove it")
+            if not overwrite:
+                raise EdgeflError(f"run directory {path} already exists and is not empty",
+                                  hint="pass another --out, or remove it (--overwrite replaces a run that recorded no round)")
+            cls(path).discard_unrecorded(check_only=True)  # raises, deleting nothing, unless it is a run without rounds
+            shutil.rmtree(path)
+        made = not path.exists()
         (path / "plots").mkdir(parents=True, exist_ok=True)
         (path / "models").mkdir(exist_ok=True)
-        return cls(path)
+        run = cls(path)
+        run.made_folder = made
+        return run
+
+    def recorded_rounds(self) -> int:
+        """Records in metrics.jsonl: 0 for a run that ended (or failed) before its first round."""
+        path = self.path / "metrics.jsonl"
+        if not path.is_file():
+            return 0
+        with path.open("rb") as fh:
+            return sum(1 for line in fh if line.strip())
+
+    def discard_unrecorded(self, check_only: bool = False, written_here: bool = False) -> None:
+        """Delete this run directory, which must have recorded no round and (unless this process
+        made and filled it: ``written_here``) hold nothing but what a run writes; else an
+        EdgeflError says why not, and nothing is deleted. The folder itself stays when this run
+        did not make it (an empty --out folder given by the user)."""
+        rounds = self.recorded_rounds()
+        if rounds:
+            raise EdgeflError(f"run directory {self.path} holds a run with {rounds} round(s) in metrics.jsonl: it is never replaced",
+                              hint="pass another --out, or continue that run (edgefl server ... --resume)")
+        foreign = [] if written_here else sorted(p.name for p in self.path.iterdir() if p.name not in RUN_ENTRIES and not p.name.endswith(".tmp"))
+        if foreign:
+            raise EdgeflError(f"{self.path} holds {', '.join(foreign[:5])}, which no run writes: not replaced",
+                              hint="pass another --out (--overwrite replaces only a run directory that recorded no round)")
+        if check_only:
+            return
+        if self.made_folder:
+            shutil.rmtree(self.path)
+            return
+        for entry in self.path.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
     def write_json(self, name: str, data: Any) -> None:
         tmp = self.path / f".{name}.tmp"

@@ -57,7 +57,10 @@ def test_deadline_decides_between_fitting_models():
 
 def test_nothing_fits_is_refused_with_the_reason():
     result = assign(board(10_000), candidates=LADDER)
-    assert result.chosen is None and "even the smallest, lenet5, is bound by memory" in result.reason
+    # the candidates nearest to fitting, each by its own measure: cnn-small needs the least memory, lenet5 the fewest FLOPs
+    assert result.chosen is None and "the one that needs the least memory, cnn-small, is bound by memory" in result.reason
+    assert "the fewest FLOPs, lenet5, by memory" in result.reason
+    assert "smallest" not in result.reason
 
 
 def test_generator_fallback_only_for_methods_with_generator_clients():
@@ -92,6 +95,52 @@ def test_cli_assign_prints_every_candidate_and_refuses_with_exit_1():
     assert res.returncode == 1 and "cannot take part" in res.stdout
     res = edgefl("assign", "--profile", "pi4-4g", "--models", "lenet5")
     assert res.returncode == 2 and "did you mean 'pi4-4gb'" in res.stderr
+
+
+def test_cli_assign_tells_a_microcontroller_what_to_do_instead_of_device_profile():
+    res = edgefl("assign", "--profile", "esp32-s3", "--models", "lenet5,cnn-small")
+    assert res.returncode == 1
+    text = " ".join(res.stdout.split())  # rich wraps long lines
+    assert "device-profile" not in text, "a microcontroller cannot run Python"
+    assert "TFLite Micro" in text and "memory map" in text and "catalog" in text
+
+
+def test_cli_assign_takes_its_budgets_from_a_run_config_and_agrees_with_the_run():
+    from edgefl.build import assign_group, load_run_dataset
+    from edgefl.config import load_config
+    from edgefl.profile import load_profile
+
+    from pathlib import Path
+
+    path = str(Path(__file__).resolve().parent.parent / "examples" / "fleet_by_device_class.toml")
+    cfg = load_config(path, [])
+    ds = load_run_dataset(cfg)
+    want, _ = assign_group(cfg, ds, cfg.fleet.groups[1], 1, load_profile("pi-zero-2w"))
+    res = edgefl("assign", "--config", path, "--group", "1")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "pi-zero-2w: 600 samples x 1 epoch(s), batch 50, deadline 30 s" in text  # the group's train and clock settings
+    assert f"pi-zero-2w -> {want}" in text, "the model the run itself assigns this group"
+    mine = edgefl("assign", "--config", path, "--group", "1", "--batch", "16", "--models", "lenet5")
+    assert "batch 16, deadline 30 s" in " ".join(mine.stdout.split())  # an option beats the config
+    assert edgefl("assign", "--config", path, "--group", "7").returncode == 2
+    assert "--group needs --config" in edgefl("assign", "--profile", "pi4-4gb", "--group", "1").stderr
+
+
+def test_forward_statistics_are_kept_on_disk_so_assign_does_not_count_them_again(monkeypatch):
+    from edgefl.profile import cost
+
+    first = forward_stats("cnn-small", (), (1, 28, 28), 10)  # counted, or read from the cache file
+    assert cost._stats_path().is_file()
+    forward_stats.cache_clear()
+    monkeypatch.setattr(cost, "_STATS", None)  # as a new process starts: only the file remains
+
+    def never(*args):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(cost, "_count_forward", never)
+    assert forward_stats("cnn-small", (), (1, 28, 28), 10) == first
+    forward_stats.cache_clear()
 
 
 HOST = StepFit(step_overhead_us=500, layer_overhead_us=3, conv_overhead_us=300, conv_gflops=250, transposed_conv_gflops=80,

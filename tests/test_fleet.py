@@ -163,18 +163,24 @@ def fleet_config(method="fedhe", rounds=2, **network) -> RunConfig:
     return RunConfig.model_validate(raw)
 
 
-def test_a_fleet_reproduces_the_simulation_bit_for_bit(tmp_path):
+def test_a_fleet_reproduces_the_simulation_bit_for_bit(tmp_path, monkeypatch):
+    import tempfile
+
     from edgefl.fleet.launcher import run_fleet
     from edgefl.sim import Simulation
 
-    for method in ("fedhe", "fedavg"):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the fleet's temporary folder goes
+    for method, keep in (("fedhe", False), ("fedavg", True)):
         cfg = fleet_config(method)
         sim = Simulation(cfg, show_progress=False).run()
-        fleet = run_fleet(cfg, None, None, device_timeout_s=120)
+        fleet = run_fleet(cfg, None, None, device_timeout_s=120, keep=keep)
         assert [h["outcome"] for h in fleet["history"]] == ["complete", "complete"]
         assert fleet["final_accuracy"]["per_client"] == sim["final_accuracy"]["per_client"], method
         assert fleet["final_accuracy"]["overall"] == sim["final_accuracy"]["overall"]
         assert set(fleet["device_exit_codes"].values()) == {0}
+        # a clean run leaves no temporary folder behind; --keep keeps it, device logs included
+        left = list(tmp_path.glob("edgefl-fleet-*"))
+        assert (left == []) if not keep else (len(left) == 1 and fleet["logs"] == str(left[0] / "devices"))
 
 
 def _server_thread(cfg, broker, results, join_timeout_s=3.0):
@@ -353,7 +359,7 @@ def test_broker_config_authenticates_devices_and_confines_them_to_their_topics(t
     from edgefl.fleet.broker import free_port
     from edgefl.fleet.broker_config import SERVER_USER, write_broker_config
 
-    made = write_broker_config(tmp_path / "broker", 2, "fed", port=free_port(), tls=False)
+    made = write_broker_config(tmp_path / "broker", 2, "fed", port=free_port(), tls=False, bind="127.0.0.1")  # loopback: a test
     creds = dict(line.split(",") for line in made.credentials.read_text().splitlines()[1:])
     assert set(creds) == {SERVER_USER, "client-0", "client-1"}
     assert (made.credentials.stat().st_mode & 0o777) == 0o600
@@ -397,7 +403,7 @@ def test_broker_config_tls_listener_accepts_devices_that_trust_its_ca(tmp_path):
 
     if _shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    made = write_broker_config(tmp_path / "broker", 1, "fed", port=free_port(), tls=True, hostname="localhost")
+    made = write_broker_config(tmp_path / "broker", 1, "fed", port=free_port(), tls=True, hostname="localhost", bind="127.0.0.1")
     creds = dict(line.split(",") for line in made.credentials.read_text().splitlines()[1:])
     proc, port = _start_generated(made, tmp_path)
     try:
@@ -668,6 +674,11 @@ def test_cli_broker_config_writes_a_configuration_and_never_overwrites_one(tmp_p
     res = _edgefl("broker-config", "--devices", "3", "--out", str(out), "--no-tls", "--federation", "lab")
     assert res.returncode == 0, res.stderr
     assert {"mosquitto.conf", "passwords", "acl", "credentials.csv"} <= {p.name for p in out.iterdir()}
+    assert "listener 8883\n" in (out / "mosquitto.conf").read_text() and "every interface" in res.stdout  # the documented default
+    local = _edgefl("broker-config", "--devices", "1", "--out", str(tmp_path / "local"), "--no-tls", "--bind", "127.0.0.1")
+    assert local.returncode == 0 and "listener 8883 127.0.0.1\n" in (tmp_path / "local" / "mosquitto.conf").read_text()
+    odd = _edgefl("broker-config", "--devices", "1", "--out", str(tmp_path / "odd"), "--no-tls", "--bind", "0.0.0.0\nallow_anonymous true")
+    assert odd.returncode == 2 and "not an IP address or a host name" in odd.stderr and not (tmp_path / "odd").exists()
     assert "edgefl/v1/lab/dev/%u/up" in (out / "acl").read_text()
     again = _edgefl("broker-config", "--devices", "3", "--out", str(out), "--no-tls")
     assert again.returncode == 2 and "already holds a broker configuration" in again.stderr
@@ -703,3 +714,30 @@ def test_cli_client_says_when_the_broker_is_unreachable(tmp_path):
     assert res.returncode == 2 and "cannot reach the broker" in res.stderr
     bad_url = _edgefl("client", "--broker", "http://x", "--config", str(path), "--device-id", "client-0")
     assert bad_url.returncode == 2 and "expected mqtt://HOST:PORT" in bad_url.stderr
+
+
+def test_a_server_that_cannot_reach_its_broker_leaves_nothing_that_blocks_its_rerun(tmp_path):
+    from edgefl.fleet.broker import free_port
+    from edgefl.rundir import RunDir
+
+    path = tmp_path / "run.toml"
+    path.write_text(fleet_config("fedavg").to_toml())
+    out = tmp_path / "run"
+    command = ("server", "--broker", f"mqtt://127.0.0.1:{free_port()}", "--config", str(path), "--out", str(out))
+    for _ in range(2):  # the same command twice: the same error, never "already exists"
+        res = _edgefl(*command)
+        assert res.returncode == 2 and "cannot reach the broker" in res.stderr, res.stderr
+        assert "removed the run directory" in res.stderr and not out.exists()
+    # --overwrite replaces a run directory that recorded no round (one stopped before round 1)...
+    RunDir.create(out, "x", 0).write_json("run.json", {})
+    res = _edgefl(*command, "--overwrite")
+    assert "cannot reach the broker" in res.stderr and not out.exists()
+    # ...but never one with rounds, nor a folder that is not a run directory
+    RunDir.create(out, "x", 0).append_metrics({"round": 1})
+    res = _edgefl(*command, "--overwrite")
+    assert res.returncode == 2 and "1 round(s) in metrics.jsonl: it is never replaced" in res.stderr
+    assert (out / "metrics.jsonl").is_file()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    res = _edgefl(*command[:-1], str(tmp_path / "mine"), "--overwrite")
+    assert res.returncode == 2 and "notes.txt, which no run writes" in res.stderr and (tmp_path / "mine" / "notes.txt").is_file()

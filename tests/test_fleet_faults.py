@@ -92,6 +92,9 @@ def test_a_device_ignores_saved_state_from_another_run_of_the_same_config(tmp_pa
             finals.append(results["summary"]["final_accuracy"])
             assert [p.wait(timeout=60) for p in procs] == [0] * 4
         assert "from another run" in logs["client-0"].read_text()
+        # the first run's state is kept aside, not deleted, and the log says where
+        (kept,) = (tmp_path / "state" / "client-0" / "old").iterdir()
+        assert (kept / "state.json").is_file() and str(kept) in logs["client-0"].read_text()
     assert finals[0] == finals[1]
 
 

@@ -19,13 +19,25 @@ from edgefl.sim.hosts import check_reply, pack_frame, read_frame, serve, unpack_
 from tests.conftest import method_config
 
 
-def _run(method: str, **simulation) -> Simulation:
+def _run(method: str, threads: int | None = 1, run_dir=None, **simulation) -> Simulation:
+    """``threads`` None: left at its default (the run takes this process's torch threads and gives
+    every host the same, so kernels sum in the same order everywhere)."""
     raw = method_config(method, rounds=2)
     raw["simulation"] = simulation
-    raw["threads"] = 1  # the same torch threads in the workers as here: kernels then sum in the same order
-    sim = Simulation(validate_config(raw), show_progress=False)
+    if threads is not None:
+        raw["threads"] = threads
+    sim = Simulation(validate_config(raw), run_dir=run_dir, show_progress=False)
     sim.run()
     return sim
+
+
+@pytest.fixture
+def two_threads():
+    """This process's torch default as on a 2-core machine (the suite's conftest sets 1): worker
+    processes used to get 2 // workers threads then, and Ray actors their ray_cpus."""
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(1)
 
 
 def _numbers(sim: Simulation) -> list[dict]:
@@ -45,6 +57,18 @@ def test_worker_processes_give_the_numbers_of_one_process(method):
     spread = _run(method, workers=2)
     assert len(spread.hosts) == 2 and all(h.proc.poll() is not None for h in spread.hosts)  # stopped at the end
     _assert_identical(alone, spread)
+
+
+def test_with_threads_left_at_the_default_workers_give_the_numbers_of_one_process(two_threads, tmp_path):
+    import json
+
+    from edgefl.rundir import RunDir
+
+    alone = _run("fedhe", threads=None)
+    spread = _run("fedhe", threads=None, run_dir=RunDir.create(tmp_path / "spread", "w", 0), workers=2)
+    assert alone.threads == spread.threads == two_threads  # chosen once, by the process that starts the run
+    _assert_identical(alone, spread)
+    assert json.loads((tmp_path / "spread" / "run.json").read_text())["simulation"]["threads"] == two_threads
 
 
 def test_workers_are_never_more_than_devices():
@@ -84,9 +108,10 @@ def ray_cluster(monkeypatch):
         subprocess.run([exe, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-def test_ray_backend_gives_the_numbers_of_one_process(ray_cluster):
-    alone = _run("fedhe")
-    spread = _run("fedhe", backend="ray", ray_address=ray_cluster, workers=2, ray_cpus=1)
+def test_ray_backend_gives_the_numbers_of_one_process(ray_cluster, two_threads):
+    # threads left at the default: each actor asks Ray for 1 CPU, yet trains with the run's 2 threads
+    alone = _run("fedhe", threads=None)
+    spread = _run("fedhe", threads=None, backend="ray", ray_address=ray_cluster, workers=2, ray_cpus=1)
     assert len(spread.hosts) == 2
     _assert_identical(alone, spread)
 

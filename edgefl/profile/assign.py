@@ -125,11 +125,36 @@ def assign(
         if chosen is not None:
             return Assignment(profile, chosen, verdicts, f"no classifier fits ({classifiers[-1].bound if classifiers else 'none'}); "
                                                          f"{method} takes a generator client")
-    smallest = classifiers[-1] if classifiers else None
-    why = f"no classifier fits: even the smallest, {smallest.label}, is bound by {smallest.bound}" if smallest else "no candidates"
+    why = _none_fits(classifiers)
     if not takes_generators and any(v.fits for v in generators):
         why += f"; a generator would fit, but {method} has no generator clients (FedMHO does)"
     return Assignment(profile, None, verdicts, why)
+
+
+def _none_fits(classifiers: list[Verdict]) -> str:
+    """Why no classifier fits, naming the candidates nearest to fitting: the one that needs the
+    least memory and the one with the fewest FLOPs (not the same model: cnn-small has fewer
+    parameters and activations than lenet5, lenet5 fewer FLOPs)."""
+    if not classifiers:
+        return "no candidates"
+    lightest = min(classifiers, key=lambda v: v.estimate.train_memory_bytes)
+    cheapest = min(classifiers, key=lambda v: v.estimate.flops_per_sample)
+    why = f"no classifier fits: even the one that needs the least memory, {lightest.label}, is bound by {lightest.bound}"
+    if cheapest is not lightest:
+        why += f"; the one with the fewest FLOPs, {cheapest.label}, by {cheapest.bound}"
+    return why
+
+
+def measure_advice(profile: DeviceProfile, what: str) -> str:
+    """How to get a number a profile lacks (``what``: "memory", the runtime's footprint, or
+    "speed"): ``edgefl device-profile`` on a device that runs Python; a microcontroller cannot."""
+    if profile.device_class != "mcu":
+        return f"measure {'it' if what == 'memory' else 'its speed'} with `edgefl device-profile` on the device"
+    if what == "memory":
+        return ("a microcontroller cannot run edgefl (no Python): take the RAM its firmware's runtime and network stack use from "
+                "the build's memory map (e.g. `idf.py size`), or keep the catalog's training budget (RAM minus the SDK's share)")
+    return ("a microcontroller cannot run edgefl (no Python): time a step of the model on the board with TFLite Micro and write "
+            "compute.effective_gflops into a copy of the profile (docs/profile-schema.md), or keep the catalog's values")
 
 
 def _mib(n: float) -> str:

@@ -32,9 +32,13 @@ predicts), plus the profile's per-step overhead when known. Storage: the paramet
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,9 +114,61 @@ class _OperatorCounter(TorchDispatchMode):
         return out
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=256)
 def forward_stats(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> ForwardStats:
-    """One training forward pass of ``name`` (batch 2, divided per sample), counted by kind of work."""
+    """One training forward pass of ``name`` (batch 2, divided per sample), counted by kind of work.
+
+    Kept in a cache file beside :func:`~edgefl.models.model_info`'s, keyed by the models' source,
+    this module's and torch's version: counting the zoo's 26 candidates took ``edgefl assign``
+    a minute or more on every call."""
+    key = json.dumps([name, frozen_options, input_shape, num_classes], default=str)
+    cache = _stats_cache()
+    if key in cache:
+        try:
+            return ForwardStats(**cache[key])
+        except TypeError:
+            pass  # written by another layout of ForwardStats: count again
+    stats = _count_forward(name, frozen_options, input_shape, num_classes)
+    cache[key] = asdict(stats)
+    _save_stats_cache(cache)
+    return stats
+
+
+@lru_cache(maxsize=1)
+def _stats_path() -> Path:
+    from edgefl.models.registry import _cache_path
+
+    models = _cache_path()  # one file per models source and torch version, in the user's cache folder
+    digest = hashlib.sha256(models.name.encode() + Path(__file__).read_bytes()).hexdigest()[:16]
+    return models.with_name(f"forward-stats-{digest}.json")
+
+
+_STATS: dict[str, Any] | None = None
+
+
+def _stats_cache() -> dict[str, Any]:
+    global _STATS
+    if _STATS is None:
+        try:
+            loaded = json.loads(_stats_path().read_text())
+            _STATS = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            _STATS = {}
+    return _STATS
+
+
+def _save_stats_cache(cache: dict[str, Any]) -> None:
+    path = _stats_path()
+    try:  # a cache: failing to write it (read-only home) costs time, nothing else
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _count_forward(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> ForwardStats:
     model = build_model(name, num_classes=num_classes, input_shape=input_shape, **dict(frozen_options))
     model.train()  # the training forward: dropout draws masks, batch norm uses batch statistics
     batch = 2

@@ -1,0 +1,88 @@
+"""A device's saved state (docs/PROTOCOL.md section 9): a changed config or a new run starts the
+device afresh, the old state moved aside (never deleted) with a log line; state of another device
+is refused with what to do."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from edgefl.device_state import CARRY, OLD, STATE_JSON, UPLOAD, DeviceStateStore
+from edgefl.errors import EdgeflError
+
+
+def _save(directory, run: str = "run-a", config: str = "a" * 64, device: str = "client-0", round_no: int = 2) -> DeviceStateStore:
+    store = DeviceStateStore(directory, device, "fed", config)
+    store.save(round_no, run, {"w": torch.ones(2)}, b"upload bytes")
+    return store
+
+
+def _kept(directory) -> list:
+    return sorted(p for p in (directory / OLD).iterdir()) if (directory / OLD).is_dir() else []
+
+
+def test_state_of_the_same_config_is_loaded_and_nothing_is_moved(tmp_path):
+    _save(tmp_path)
+    round_no, run, tensors, upload = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load()
+    assert (round_no, run, upload) == (2, "run-a", b"upload bytes") and torch.equal(tensors["w"], torch.ones(2))
+    assert _kept(tmp_path) == []
+
+
+def test_a_changed_config_starts_afresh_and_keeps_the_old_state_aside(tmp_path, caplog):
+    _save(tmp_path, config="a" * 64)
+    store = DeviceStateStore(tmp_path, "client-0", "fed", "b" * 64)
+    with caplog.at_level(logging.WARNING, logger="edgefl.device"):
+        assert store.load() is None  # afresh, where it used to refuse to start
+    (kept,) = _kept(tmp_path)
+    assert {p.name for p in kept.iterdir()} == {STATE_JSON, CARRY, UPLOAD}
+    assert json.loads((kept / STATE_JSON).read_text())["config_sha256"] == "a" * 64
+    assert not (tmp_path / STATE_JSON).exists()
+    assert "config_sha256 differ" in caplog.text and str(kept) in caplog.text and "starts afresh" in caplog.text
+    store.save(1, "run-b", {"w": torch.zeros(2)}, b"new")  # the new config's rounds are saved as usual
+    assert store.load()[:2] == (1, "run-b") and len(_kept(tmp_path)) == 1
+
+
+def test_another_federation_is_another_config(tmp_path):
+    _save(tmp_path)
+    assert DeviceStateStore(tmp_path, "client-0", "other-fed", "a" * 64).load() is None
+    assert len(_kept(tmp_path)) == 1
+
+
+def test_a_new_run_keeps_the_old_runs_state_aside_when_it_saves_its_first_round(tmp_path, caplog):
+    _save(tmp_path, run="run-a", round_no=3)
+    store = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64)
+    assert store.load()[1] == "run-a"  # loaded: the device applies it only if the server runs run-a
+    with caplog.at_level(logging.WARNING, logger="edgefl.device"):
+        store.save(1, "run-b", {"w": torch.zeros(2)}, b"round 1 of run-b")
+    (kept,) = _kept(tmp_path)
+    assert json.loads((kept / STATE_JSON).read_text())["run"] == "run-a" and (kept / UPLOAD).read_bytes() == b"upload bytes"
+    assert json.loads((tmp_path / STATE_JSON).read_text())["run"] == "run-b"
+    assert "another run (run-a, not run-b)" in caplog.text
+    store.save(2, "run-b", {"w": torch.zeros(2)}, b"round 2 of run-b")  # later rounds of the same run overwrite as before
+    assert len(_kept(tmp_path)) == 1
+
+
+def test_the_same_run_continuing_overwrites_its_own_state(tmp_path):
+    _save(tmp_path, run="run-a", round_no=3)
+    store = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64)
+    store.load()
+    store.save(4, "run-a", {"w": torch.zeros(2)}, b"round 4")
+    assert _kept(tmp_path) == [] and store.load()[0] == 4
+
+
+def test_two_set_asides_in_one_second_keep_both(tmp_path):
+    for config in ("a", "b", "c"):
+        _save(tmp_path, config=config * 64)
+        DeviceStateStore(tmp_path, "client-0", "fed", "z" * 64).load()
+    assert len(_kept(tmp_path)) == 3
+
+
+def test_state_of_another_device_is_refused_with_what_to_do(tmp_path):
+    _save(tmp_path, device="client-1")
+    with pytest.raises(EdgeflError, match="belongs to device 'client-1', not 'client-0'") as caught:
+        DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load()
+    assert "its own --state-dir" in str(caught.value)
+    assert (tmp_path / STATE_JSON).exists() and _kept(tmp_path) == []  # nothing moved: it is client-1's
