@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from edgefl.errors import EdgeflError
@@ -105,6 +106,9 @@ def simulate(
     spread += [f'simulation.backend="{backend}"'] if backend else []
     spread += [f'simulation.ray_address="{address}"'] if address else []
     cfg = load_config(config, _cli_overrides(set_, data_dir, track) + spread, preset)
+    from edgefl.sim.engine import check_simulable
+
+    check_simulable(cfg)
     parts = build_run(cfg)  # config, data and models checked before anything is written
     build_server(cfg, parts.ds, parts.slots)  # the method's own checks (a one-shot method's rounds...)
     if show_config:  # validated exactly as the run would be
@@ -112,7 +116,7 @@ def simulate(
         return
     run = RunDir.create(out_dir, cfg.name, cfg.seed)
     n = cfg.fleet.num_clients
-    err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
+    err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
     _say_data(parts)
     stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
@@ -128,9 +132,15 @@ def simulate(
         err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {done} of {cfg.rounds} rounds; models, summary and "
                   f"plots of what ran are in {run.path} (edgefl report {run.path})")
         raise typer.Exit(130)
+    baseline_stopped = _baseline(cfg, parts, run, quiet)
     out.print(accuracy_table(run))
+    _say_verdict(run)
     out.print(communication_table(run))
     out.print(f"run directory: {run.path}  (plots in {run.path / 'plots'})")
+    if baseline_stopped:
+        err.print(f"interrupted ({baseline_stopped}) during the Local-only baseline; the run itself is complete in {run.path}, "
+                  f"the baseline's rounds so far in {run.path / 'baseline'}")
+        raise typer.Exit(130)
     if cfg.export:
         formats = tuple(f for f in cfg.export if f != "int8") or ("onnx", "tflite")  # export = ["int8"]: int8 of both
         err.print(f"exporting the final models: {', '.join(formats)}{' + int8' if 'int8' in cfg.export else ''}")
@@ -143,6 +153,40 @@ def simulate(
             err.print(f"the run is complete in {run.path}; retry the failed exports with `edgefl export {run.path}`")
             raise
     _fail_on_failed_rounds(summary, run.path)
+
+
+def _baseline(cfg, parts, run, quiet: bool) -> str | None:
+    """After a finished run: the Local-only baseline when the config asks for it, then what
+    federation bought into summary.json and the plots. Returns the signal's name when the
+    baseline was interrupted (the run itself is complete either way)."""
+    from edgefl.baseline import wants_baseline
+    from edgefl.interrupt import StopRequest
+    from edgefl.sim.engine import record_comparison, run_baseline
+
+    stopped = None
+    if wants_baseline(cfg):
+        stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
+        try:
+            with stop:
+                summary = run_baseline(parts, run, err, show_progress=not quiet, should_stop=stop.requested)
+            if summary.get("interrupted"):
+                stopped = stop.signal_name or "SIGINT"
+        except KeyboardInterrupt:
+            stopped = stop.signal_name or "SIGINT"
+    elif cfg.simulation.baseline != "none":
+        err.print(f"no baseline: the method is {cfg.method.name} itself")
+    record_comparison(run, parts)
+    return stopped
+
+
+def _say_verdict(run) -> None:
+    """The comparison in one sentence under the table (summary.json's baseline.verdict)."""
+    if not (run.path / "summary.json").is_file():
+        return
+    verdict = (run.read_json("summary.json").get("baseline") or {}).get("verdict")
+    if verdict:
+        colour = "green" if " beats " in verdict else "red" if " BELOW " in verdict else "yellow"
+        out.print(f"[bold {colour}]{verdict}[/]")
 
 
 #: exit status of a run that finished but in which rounds failed (no quorum by the deadline)
@@ -159,6 +203,17 @@ def _stoppable():
     with StopRequest(lambda text: err.print(f"[yellow]{text}[/]")) as stop, Heartbeat(err, every_s=10 if not err.is_terminal else 30,
                                                                                           enabled=True) as beat:
         yield stop, beat
+
+
+@contextmanager
+def _second_signal(run_path: Path):
+    """A second Ctrl-C (or SIGTERM) stops at once: the run session has written what it had; say so
+    and exit 130 like the first, instead of a bare "Aborted."."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err.print(f"interrupted at once (second signal); what was saved is in {run_path}")
+        raise typer.Exit(130) from None
 
 
 def _fail_on_interrupt(summary: dict, stop, run_path: Path, how_to_continue: str) -> None:
@@ -183,7 +238,10 @@ PER_DEVICE_LINES_MAX = 64  # larger fleets print counts: ten thousand "joined" l
 def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
     """Fleet progress as lines: who joined, who uploaded, round state (and the status a
     :class:`~edgefl.heartbeat.Heartbeat` repeats while the server waits). A fleet of more than
-    PER_DEVICE_LINES_MAX devices gets no line per device, only the round's counts."""
+    PER_DEVICE_LINES_MAX devices gets no line per device, only the round's counts. Ids, statuses
+    and reasons can come from the network: escaped (no markup, no control characters)."""
+    from edgefl.safetext import console_text as safe
+
     waiting: dict[str, Any] = {}
     per_device = devices <= PER_DEVICE_LINES_MAX
 
@@ -198,30 +256,38 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
                 beat.status(f"round {info['round']}/{total}: evaluating")
             if kind in ("round", "upload") and waiting:
                 beat.status(f"round {waiting['round']}/{total}: {waiting['reported']}/{waiting['selected']} devices reported, waiting")
-        if kind in ("presence", "upload", "late") and not per_device:
+        if kind in ("presence", "upload", "late", "enrolled") and not per_device:
             return
         if kind == "presence":
-            console.print(f"  {info['device']} {'joined' if info['online'] else 'went offline'}")
+            console.print(f"  {safe(info['device'])} {'joined' if info['online'] else 'went offline'}")
         elif kind == "resumed":
             console.print(f"resuming at round {info['round']}")
         elif kind == "joined":
             missing = info["missing"]
-            console.print(f"{info['online']} devices online" + (f"; starting without {_few(missing)}" if missing else ""))
+            declined = info.get("declined") or []
+            console.print(f"{info['online']} devices {'ready' if 'declined' in info else 'online'}"
+                          + (f"; starting without {safe(_few(missing), 1000)}" if missing else "")
+                          + (f"; declined: {safe(_few(declined), 1000)}" if declined else ""))
+        elif kind == "enrolled":
+            console.print(f"  {safe(info['device'])} ready: {info.get('samples')} samples of its own ({info.get('validation')} held out)"
+                          + (f", {safe(info['source'], 200)}" if info.get("source") else ""))
+        elif kind == "declined":
+            console.print(f"  [yellow]{safe(info['device'])} declined[/]: {safe(info['reason'])}")
         elif kind == "round":
             console.print(f"[bold]round {info['round']}/{total}[/]: {len(info['selected'])} devices selected")
         elif kind == "upload":
-            console.print(f"  {info['device']} uploaded ({info['status']})")
+            console.print(f"  {safe(info['device'])} uploaded ({safe(info['status'])})")
         elif kind == "late":
-            console.print(f"  {info['device']} late upload for round {info['round']} ({info['status']})")
+            console.print(f"  {safe(info['device'])} late upload for round {info['round']} ({safe(info['status'])})")
         elif kind == "rejected":
-            console.print(f"  [yellow]{info['device']} rejected[/]: {info['reason']}")
+            console.print(f"  [yellow]{safe(info['device'])} rejected[/]: {safe(info['reason'])}")
         elif kind == "extended":
             console.print(f"  [yellow]round {info['round']} extended[/]: {info['reported']} of {info['quorum']} needed")
         elif kind == "closed":
             acc = info["accuracy"]
             console.print(f"round {info['round']} {info['outcome']}: {len(info['reported'])}/{len(info['selected'])} reported"
                           + (f" (target {info['target']}, {len(info['late'])} late)" if info.get("target", 0) < len(info["selected"]) else "")
-                          + (f", missing {_few(info['missing'])}" if info["missing"] else "")
+                          + (f", missing {safe(_few(info['missing']), 1000)}" if info["missing"] else "")
                           + (f", acc {acc['overall']:.4f}" if acc else "") + f", {info['round_time_s']:.1f}s")
     return on_event
 
@@ -237,6 +303,9 @@ def fleet(
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory")] = None,
     broker: Annotated[Optional[str], typer.Option(help="use this broker instead of starting mosquitto")] = None,
     preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted")] = "demo",
+    keep: Annotated[bool, typer.Option("--keep", help="keep the temporary folder (device logs, broker files) after a clean run too "
+                                                      "(it is always kept when the run fails)")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the run in --out when it recorded no round")] = False,
     data_dir: DataDir = None,
     track: Track = None,
     dashboard: DashboardAt = None,
@@ -248,15 +317,18 @@ def fleet(
     from edgefl.rundir import RunDir
 
     cfg = load_config(config, _cli_overrides(set_, data_dir, track), preset)
+    from edgefl.sim.engine import check_simulable
+
+    check_simulable(cfg, "a local fleet started from one config")
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
-    run = RunDir.create(out_dir, cfg.name, cfg.seed)
-    err.print(f"[bold]{cfg.name}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
+    run = RunDir.create(out_dir, cfg.name, cfg.seed, overwrite=overwrite)
+    err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
     board = _open_dashboard(run.path, dashboard)
-    with _stoppable() as (stop, beat):
+    with _stoppable() as (stop, beat), _discarded_on_failure(run), _second_signal(run.path):
         summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), parts=parts,
-                            should_stop=stop.requested)
+                            should_stop=stop.requested, keep=keep)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
         board.stop()
     acc = summary["final_accuracy"]
@@ -264,6 +336,22 @@ def fleet(
     out.print(f"run directory: {run.path}")
     _fail_on_interrupt(summary, stop, run.path, "")
     _fail_on_failed_rounds(summary, run.path)
+
+
+@contextmanager
+def _discarded_on_failure(run):
+    """A run that fails before its first round (no broker, a bad password) leaves no run
+    directory behind to block the same command's re-run; one with rounds is kept as it is."""
+    try:
+        yield
+    except BaseException:
+        if run is not None and run.path.is_dir() and not run.recorded_rounds():
+            try:
+                run.discard_unrecorded(written_here=True)
+                err.print(f"removed the run directory {run.path}: the run failed before its first round")
+            except (EdgeflError, OSError) as exc:
+                err.print(f"[yellow]kept the run directory {run.path}[/]: {exc}")
+        raise
 
 
 @app.command()
@@ -276,6 +364,11 @@ def server(
     password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate of a TLS broker")] = None,
     resume: Annotated[bool, typer.Option(help="continue the interrupted run in --out from its last saved round")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the run in --out when it recorded no round "
+                                                                  "(a run with rounds is never replaced)")] = False,
+    signing_key: Annotated[Optional[Path], typer.Option(
+        "--signing-key", help="sign every message to the devices with this Ed25519 key (server-signing.key from edgefl broker-config); "
+                              "devices given its .pub refuse anything unsigned")] = None,
     data_dir: DataDir = None,
     track: Track = None,
     dashboard: DashboardAt = None,
@@ -296,12 +389,12 @@ def server(
             raise EdgeflError("--resume needs --out: the run directory of the interrupted run")
         run = RunDir(out_dir)
     else:
-        run = RunDir.create(out_dir, cfg.name, cfg.seed)
+        run = RunDir.create(out_dir, cfg.name, cfg.seed, overwrite=overwrite)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
     board = _open_dashboard(run.path, dashboard)
-    with _stoppable() as (stop, beat):
+    with _stoppable() as (stop, beat), _discarded_on_failure(run if not resume else None), _second_signal(run.path):
         summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), username, os.environ.get(password_env),
-                        str(ca_file) if ca_file else None, resume=resume, parts=parts, should_stop=stop.requested)
+                        str(ca_file) if ca_file else None, resume=resume, parts=parts, should_stop=stop.requested, signing_key=signing_key)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
         board.stop()
     acc = summary["final_accuracy"]
@@ -313,10 +406,21 @@ def server(
 @app.command()
 def client(
     broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT (mqtts:// for TLS)")],
-    config: Annotated[Path, typer.Option(help="the run config the server uses (TOML)")],
-    device_id: Annotated[str, typer.Option("--device-id", help="this device's id in the config's fleet, e.g. client-3")],
-    data_dir: DataDir = None,
-    set_: Annotated[list[str], typer.Option("--set", help="override a key (repeatable)")] = [],  # noqa: B006
+    device_id: Annotated[str, typer.Option("--device-id", help="this device's id in the federation, e.g. client-3")],
+    data: Annotated[Optional[Path], typer.Option(
+        "--data", help="this device's own data (a folder of images per class, IDX files, a CSV/Parquet table, .npz or "
+                       ".safetensors): the server sends the task (docs/your-data.md)")] = None,
+    federation: Annotated[Optional[str], typer.Option(
+        help="the federation to join (the server's network.federation, else its run name); not needed with --config")] = None,
+    loader: Annotated[Optional[str], typer.Option(help="read --data with your own function: module:function or file.py:function")] = None,
+    profile: Annotated[Optional[str], typer.Option(
+        help="this device's profile (catalog id or a file from edgefl device-profile), sent to the server, which refuses a device "
+             "too small for its model")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        help="simulation-style share instead of --data: the server's run config, and --data-dir with the whole data set; the "
+             "device takes the share the simulation of that config would give it")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="with --config: the folder of the run's data set")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="with --config: override a key (repeatable)")] = [],  # noqa: B006
     timeout: Annotated[Optional[float], typer.Option(help="give up after this many seconds")] = None,
     username: Annotated[Optional[str], typer.Option(help="MQTT username (default: the device id)")] = None,
     password_env: Annotated[str, typer.Option(help="environment variable holding the MQTT password")] = "EDGEFL_MQTT_PASSWORD",
@@ -325,19 +429,61 @@ def client(
         "--state-dir", help="where the device keeps its model and method state to resume after a crash "
                             "(default: $XDG_STATE_HOME/edgefl/FEDERATION/DEVICE)")] = None,
     keep_state: Annotated[bool, typer.Option("--keep-state/--no-state", help="save state after every round")] = True,
+    broker_wait: Annotated[float, typer.Option(
+        "--broker-wait", help="keep trying to reach the broker for this many seconds (inf: until it answers, for a device "
+                              "started at boot; 0: give up at once)")] = 0.0,
+    server_key: Annotated[Optional[Path], typer.Option(
+        "--server-key", help="the server's public key (server-signing.pub from edgefl broker-config): refuse every server "
+                             "message it did not sign")] = None,
 ) -> None:
-    """Run one device of a fleet over MQTT (what a Raspberry Pi or Jetson runs)."""
+    """Run one device of a fleet over MQTT (what a Raspberry Pi or Jetson runs): on its own data
+    (--data; the task comes from the server), or on the share of a run config (--config)."""
     import os
 
-    from edgefl.config import load_config
-    from edgefl.fleet.launcher import device_state_dir, federation, run_device
+    from edgefl.fleet.launcher import device_state_dir, federation as federation_of, run_device, run_device_held
 
-    cfg = load_config(config, _cli_overrides(set_, data_dir), "demo")
     password = os.environ.get(password_env)
+    user = username or (device_id if password else None)
+    from edgefl.transport.signing import Verifier
+
+    verifier = Verifier.load(server_key) if server_key is not None else None
+    if verifier is None:
+        err.print("[yellow]note:[/] no --server-key: this device cannot tell the server's messages from forged ones "
+                  "(docs/deploy.md, signing)")
+    if config is None:
+        if data is None:
+            raise EdgeflError("edgefl client needs the device's own data (--data PATH) or a run config (--config RUN.toml)",
+                              hint="a real device: --data /path/to/its/samples --federation NAME (docs/your-data.md)")
+        if data_dir is not None or set_:
+            raise EdgeflError("--data-dir and --set belong to --config (the simulation-style share)",
+                              hint="a device with its own data needs only --data (and --federation)")
+        fed = federation or "edgefl"
+        if federation is None:
+            err.print("[yellow]note:[/] no --federation: joining 'edgefl' (broker-config's default); the server prints its federation")
+        if keep_state and state_dir is None:
+            state_dir = device_state_dir(fed, device_id)
+        raw_profile = None
+        if profile is not None:
+            from edgefl.profile import load_profile
+
+            raw_profile = load_profile(profile).to_dict()
+        results = run_device_held(device_id, broker, fed, data, loader=loader, profile=raw_profile, timeout_s=timeout, username=user,
+                                  password=password, ca_file=str(ca_file) if ca_file else None,
+                                  state_dir=state_dir if keep_state else None, say=lambda text: err.print(text, markup=False, highlight=False),
+                                  broker_wait_s=broker_wait, verifier=verifier)
+        err.print(f"{device_id}: {len(results)} rounds served")
+        return
+    from edgefl.config import load_config
+
+    if data is not None and data_dir is None:
+        data_dir = data  # --config with --data: the data set's folder, as before
+    cfg = load_config(config, _cli_overrides(set_, data_dir), "demo")
+    if federation is not None and federation != federation_of(cfg):
+        raise EdgeflError(f"--federation {federation} differs from the config's {federation_of(cfg)}", hint="drop --federation with --config")
     if keep_state and state_dir is None:
-        state_dir = device_state_dir(federation(cfg), device_id)
-    results = run_device(cfg, device_id, broker, timeout, username or (device_id if password else None), password,
-                         str(ca_file) if ca_file else None, state_dir if keep_state else None)
+        state_dir = device_state_dir(federation_of(cfg), device_id)
+    results = run_device(cfg, device_id, broker, timeout, user, password,
+                         str(ca_file) if ca_file else None, state_dir if keep_state else None, broker_wait_s=broker_wait, verifier=verifier)
     err.print(f"{device_id}: {len(results)} rounds served")
 
 
@@ -411,14 +557,20 @@ def broker_config(
     port: Annotated[int, typer.Option(help="listener port")] = 8883,
     tls: Annotated[bool, typer.Option("--tls/--no-tls", help="TLS listener (certificates made with openssl)")] = True,
     hostname: Annotated[str, typer.Option(help="the broker's host name, for its certificate")] = "localhost",
+    bind: Annotated[Optional[str], typer.Option(help="the address the listener binds (an address of the broker's machine; "
+                                                     "127.0.0.1: this machine only); default: every interface")] = None,
 ) -> None:
     """Write a mosquitto configuration for a real fleet: TLS, one password per device, an ACL per device."""
     from edgefl.fleet.broker_config import write_broker_config
 
-    made = write_broker_config(out_dir, devices, federation, port, tls, hostname)
+    made = write_broker_config(out_dir, devices, federation, port, tls, hostname, bind=bind)
     out.print(f"wrote {made.config}")
+    out.print(f"  listener: port {port} on {made.bind or 'every interface'}")
     out.print(f"  passwords for {len(made.devices)} devices and the server: {made.passwords} (plain text once: {made.credentials})")
     out.print(f"  ACL: {made.acl}")
+    if made.signing_key is not None:
+        out.print(f"  server signing key: {made.signing_key} (edgefl server --signing-key; keep it with the server), "
+                  f"{made.signing_key.with_suffix('.pub')} for every device (edgefl client --server-key)")
     if made.certs is not None:
         have = (made.certs / "server.crt").exists()
         out.print(f"  TLS: {made.certs}" + ("" if have else " [yellow](openssl not found: run the commands in certs/README)[/]"))
@@ -440,17 +592,21 @@ def export(
                                                          "the op resolver it needs and its measured tensor arena")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="output folder (default RUN_DIR/export)")] = None,
     model: Annotated[Optional[str], typer.Option(help="architecture of a weights file without metadata")] = None,
-    select: Annotated[Optional[str], typer.Option(help="only the run's models whose file name contains this")] = None,
+    select: Annotated[Optional[str], typer.Option(help="only the run's models whose file name contains this (among all it saved)")] = None,
+    every: Annotated[bool, typer.Option("--all", help="every model the run saved, each device's private model included (default: what "
+                                                      "ship.json ships to phones)")] = False,
     dataset: Annotated[Optional[str], typer.Option(help="dataset for parity and calibration (default: the one trained on)")] = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Export a run's global model (or any zoo model's weights) to ONNX and TFLite, checked against PyTorch."""
+    """Export what a run ships to phones (RUN_DIR/ship.json: the global model of each architecture,
+    or for FedHe, CHFL and other per-device methods the best device's model per architecture), or
+    any zoo model's weights file, to ONNX and TFLite, checked against PyTorch."""
     formats = tuple(f.strip() for f in format_.split(",") if f.strip())
-    _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset, data_dir, micro)
+    _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset, data_dir, micro, every)
 
 
 def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset,
-                      data_dir=None, micro=False) -> None:
+                      data_dir=None, micro=False, every=False) -> None:
     from rich.table import Table
 
     from edgefl.exporters import default_out_dir, export_model, sources_from_path
@@ -463,7 +619,7 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
         raise EdgeflError(f"--format {','.join(unknown)}: unknown format", hint="choose from onnx, tflite")
     if micro and "tflite" not in formats:
         raise EdgeflError("--micro needs the TFLite format", hint="--format tflite (or onnx,tflite)")
-    sources = sources_from_path(source, model=model, select=select)
+    sources = sources_from_path(source, model=model, select=select, every=every)
     out_dir = default_out_dir(source) if out_dir is None else out_dir
     _check_writable(Path(out_dir))
     ds = None
@@ -496,6 +652,12 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; int8 TFLite files are integer-only; latency: median of one "
               "call at the file's batch on one thread here; each file has a .json sidecar (names, shapes, dtypes, quantisation, "
               "normalisation, labels, SHA-256)")
+    plan = Path(source) / "ship.json"
+    if plan.is_file() and not every and not select:  # which of these files each phone class gets (edgefl assign)
+        import json
+
+        for phone, pick in (json.loads(plan.read_text()).get("phones") or {}).items():
+            out.print(f"{phone}: {pick.get('arch') or 'nothing fits'} ({pick.get('why', '')})", markup=False, highlight=False)
     if failed:
         err.print(f"[red]{len(failed)} of {len(sources)} models failed[/]: {', '.join(failed)} (reasons in the table)")
         raise typer.Exit(1)
@@ -646,33 +808,77 @@ def device_profile(
 
 @app.command()
 def assign(
-    profile_ref: Annotated[str, typer.Option("--profile", help="a catalog id (edgefl profiles) or a profile TOML file")],
-    method: Annotated[str, typer.Option(help="the method the device joins (fedmho allows generator clients)")] = "fedavg",
-    deadline: Annotated[float, typer.Option(help="round deadline, seconds")] = 60.0,
-    headroom: Annotated[float, typer.Option(help="share of the training budget a round may use")] = 0.8,
-    samples: Annotated[int, typer.Option(help="training samples per round")] = 600,
-    epochs: Annotated[int, typer.Option(help="local epochs per round")] = 1,
-    batch: Annotated[int, typer.Option(help="batch size")] = 32,
-    optimizer: Annotated[str, typer.Option(help="adam | momentum | sgd (optimizer state: 8 / 4 / 0 bytes per parameter)")] = "adam",
-    models_: Annotated[str, typer.Option("--models", help="candidates (default: the zoo ladder), e.g. vgg9,cvae-small")] = "",
+    profile_ref: Annotated[Optional[str], typer.Option("--profile", help="a catalog id (edgefl profiles) or a profile TOML file "
+                                                                         "(with --config: default the group's profile)")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="take the method, training settings, deadline, headroom, "
+                                                                    "candidates and input shape from this run config")] = None,
+    group: Annotated[Optional[int], typer.Option(help="with --config: the fleet group (0-based) to judge; default: the first "
+                                                      "group with a profile, else 0")] = None,
+    method: Annotated[Optional[str], typer.Option(help="the method the device joins (fedmho allows generator clients) "
+                                                       "[default: fedavg, or the config's]")] = None,
+    deadline: Annotated[Optional[float], typer.Option(help="round deadline, seconds [default: 60, or the config's clock.deadline_s]")] = None,
+    headroom: Annotated[Optional[float], typer.Option(help="share of the training budget a round may use [default: 0.8, or the "
+                                                           "config's clock.headroom]")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="training samples per round [default: 600, or the group's share of the "
+                                                        "data set, x epochs, capped by train.max_steps]")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="local epochs per round [default: 1]")] = None,
+    batch: Annotated[Optional[int], typer.Option(help="batch size [default: 32, or the group's train.batch_size]")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="adam | momentum | sgd (optimizer state: 8 / 4 / 0 bytes per parameter) "
+                                                          "[default: adam, or the group's]")] = None,
+    models_: Annotated[str, typer.Option("--models", help="candidates (default: the config's clock.candidates, else the zoo "
+                                                          "ladder), e.g. vgg9,cvae-small")] = "",
+    data_dir: DataDir = None,
 ) -> None:
     """Pick the largest zoo model a device can train, and say which bound decided for every candidate."""
-    from edgefl.profile import load_profile
-    from edgefl.profile.assign import Budgets, assign as do_assign, parse_candidates
+    import dataclasses
 
-    if not 0 < headroom <= 1:
-        raise EdgeflError(f"--headroom {headroom}: must be in (0, 1]")
+    from edgefl.profile import load_profile
+    from edgefl.profile.assign import Budgets, assign as do_assign, measure_advice, parse_candidates
+
+    budgets, shape, classes, candidates = Budgets(), (1, 28, 28), 10, None
+    if config is not None:
+        from edgefl.build import group_budgets, load_run_dataset
+        from edgefl.config import load_config
+        from edgefl.data.views import make_view
+
+        cfg = load_config(config, _cli_overrides([], data_dir), "demo")
+        groups = cfg.fleet.groups
+        index = group if group is not None else next((i for i, g in enumerate(groups) if g.profile), 0)
+        if not 0 <= index < len(groups):
+            raise EdgeflError(f"--group {index}: {config} has fleet groups 0..{len(groups) - 1}")
+        chosen_group = groups[index]
+        ds = load_run_dataset(cfg)  # the group's share of the data set, its input shape and classes
+        budgets = group_budgets(cfg, ds, chosen_group)
+        shape = tuple(make_view(chosen_group.view, ds.input_shape, cfg.seed, "probe").output_shape if chosen_group.view else ds.input_shape)
+        classes = ds.num_classes
+        method = method or cfg.method.name
+        profile_ref = profile_ref or chosen_group.profile
+        if cfg.clock.candidates and not models_:
+            candidates = parse_candidates(",".join(cfg.clock.candidates))
+        err.print(f"{config}: fleet group {index} ({chosen_group.model}, {chosen_group.count} device(s)), {cfg.method.name}, "
+                  f"{ds.name} {list(shape)}")
+    elif group is not None:
+        raise EdgeflError("--group needs --config (the run config whose fleet group to judge)")
+    if profile_ref is None:
+        raise EdgeflError("which device? pass --profile (a catalog id or a profile file)",
+                          hint="or --config RUN.toml with a fleet group that names a profile (edgefl profiles lists the catalog)")
+    explicit = {"headroom": headroom, "deadline_s": deadline, "samples": samples, "epochs": epochs, "batch": batch, "optimizer": optimizer}
+    budgets = dataclasses.replace(budgets, **{k: v for k, v in explicit.items() if v is not None})  # an option beats the config
+    if not 0 < budgets.headroom <= 1:
+        raise EdgeflError(f"--headroom {budgets.headroom}: must be in (0, 1]")
+    if budgets.optimizer not in ("adam", "momentum", "sgd"):
+        raise EdgeflError(f"--optimizer {budgets.optimizer!r}: choose adam, momentum or sgd")
     profile = load_profile(profile_ref)
-    if optimizer not in ("adam", "momentum", "sgd"):
-        raise EdgeflError(f"--optimizer {optimizer!r}: choose adam, momentum or sgd")
-    budgets = Budgets(headroom=headroom, deadline_s=deadline, samples=samples, epochs=epochs, batch=batch, optimizer=optimizer)
+    method = method or "fedavg"
+    if models_:
+        candidates = parse_candidates(models_)
     from edgefl.heartbeat import Heartbeat
 
     with err.status("measuring each candidate's memory and time (cached after the first run)"), Heartbeat(err) as beat:
         beat.status(f"assign {profile.id}: measuring the candidates")
-        result = do_assign(profile, budgets, method, parse_candidates(models_) if models_ else None)
-    table = Table(title=f"{profile.id}: {samples} samples x {epochs} epoch(s), batch {batch}, deadline {deadline:g} s, "
-                        f"{headroom:.0%} of {_qty(profile.memory.training_budget_bytes, _bytes)}")
+        result = do_assign(profile, budgets, method, candidates, input_shape=shape, num_classes=classes)
+    table = Table(title=f"{profile.id}: {budgets.samples} samples x {budgets.epochs} epoch(s), batch {budgets.batch}, "
+                        f"deadline {budgets.deadline_s:g} s, {budgets.headroom:.0%} of {_qty(profile.memory.training_budget_bytes, _bytes)}")
     for col in ("candidate", "kind", "params", "FLOPs/sample", "train memory", "round time", "verdict"):
         table.add_column(col, justify="right" if col in ("params", "FLOPs/sample", "train memory", "round time") else "left")
     for v in result.verdicts:
@@ -684,12 +890,15 @@ def assign(
                       "?" if e.round_s is None else f"{e.round_s:.1f} s", mark)
     out.print(table)
     mem = profile.memory
+    mcu = profile.device_class == "mcu"
     if mem.runtime_bytes.known:
-        out.print(f"the edgefl client runtime itself takes {_bytes(mem.runtime_bytes.value)} ({mem.runtime_bytes.kind}: "
-                  f"{mem.runtime_bytes.source}); the training budget is at most RAM minus that")
+        out.print(f"the {'firmware' if mcu else 'edgefl client'} runtime itself takes {_bytes(mem.runtime_bytes.value)} "
+                  f"({mem.runtime_bytes.kind}: {mem.runtime_bytes.source}); the training budget is at most RAM minus that")
     else:
-        out.print("[yellow]this profile does not give the client runtime's footprint[/] (memory.runtime_bytes): "
-                  "measure it with `edgefl device-profile` on the device")
+        out.print(f"[yellow]this profile does not give the {'firmware' if mcu else 'client'} runtime's footprint[/] "
+                  f"(memory.runtime_bytes): {measure_advice(profile, 'memory')}")
+    if any(e.estimate.round_s is None for e in result.verdicts):
+        out.print(f"[yellow]round times are unknown[/] (compute.effective_gflops): {measure_advice(profile, 'speed')}")
     if result.chosen is None:
         out.print(f"[bold red]{profile.id} cannot take part:[/] {result.reason}")
         raise typer.Exit(1)
@@ -753,6 +962,7 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> 
     run = RunDir(run_dir)
     paths = draw_plots(run)
     out.print(accuracy_table(run))
+    _say_verdict(run)
     out.print(communication_table(run))
     for p in paths:
         out.print(f"wrote {p}")
@@ -770,7 +980,8 @@ def main() -> None:
     try:
         app()
     except EdgeflError as exc:
-        err.print(f"[bold red]error:[/] {exc.message}", markup=True, highlight=False)
+        # the message may quote a file, a key or a value that looks like markup ("x[/]"): escaped
+        err.print(f"[bold red]error:[/] {escape(exc.message)}", markup=True, highlight=False)
         if exc.hint:
             err.print(f"  hint: {exc.hint}", markup=False, highlight=False)
         sys.exit(2)

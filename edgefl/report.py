@@ -3,13 +3,20 @@ re-draw any finished or interrupted run)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from edgefl.baseline import BASELINE_LABEL, baseline_metrics, compare
 from edgefl.errors import EdgeflError
 from edgefl.rundir import RunDir
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 def _pyplot():
@@ -19,11 +26,51 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise EdgeflError("plots need matplotlib", hint="pip install 'edgefl[sim]'") from None
+        raise EdgeflError("plots need matplotlib", hint="pip install -e '.[sim]' in the edgefl checkout") from None
     return plt
 
 
 PARTITION_BARS_MAX = 100  # more clients: the partition is drawn as a clients x classes image
+#: how plots name methods (the config's name otherwise)
+METHOD_NAMES = {"fedhe": "FedHe", "fedavg": "FedAvg-groups", "local": BASELINE_LABEL, "felo": "Felo", "velo": "Velo", "fedin": "FedIN",
+                "chfl": "CHFL", "fedmho": "FedMHO", "fedmho-md": "FedMHO-MD", "fedmho-sd": "FedMHO-SD", "fedcvae": "FedCVAE-Ens"}
+DATASET_NAMES = {"fashion-mnist": "Fashion-MNIST", "mnist": "MNIST", "digits": "digits (scikit-learn)", "breast-cancer": "breast cancer"}
+
+
+def run_facts(run: RunDir) -> dict[str, Any]:
+    """Method, data set, partition, devices and seed of a run, from its config.toml (empty when
+    the file is missing or unreadable: a plot then goes without them)."""
+    try:
+        cfg = tomllib.loads((run.path / "config.toml").read_text())
+    except (OSError, ValueError):
+        return {}
+    data = cfg.get("data") or {}
+    name = str((cfg.get("method") or {}).get("name", "?"))
+    part = data.get("partition", "dirichlet")
+    partition = {"dirichlet": f"Dirichlet({data.get('alpha', 0.5):g})", "iid": "IID",
+                 "shards": f"{data.get('shards_per_client', 2)} label shards per device", "devices": "devices' own data"}.get(part, part)
+    devices = sum(int(g.get("count", 1)) for g in (cfg.get("fleet") or {}).get("groups", []))
+    dataset = DATASET_NAMES.get(data.get("dataset", ""), data.get("idx_name") or data.get("dataset", "?"))
+    return {"method": METHOD_NAMES.get(name, name), "method_id": name, "dataset": dataset, "partition": partition,
+            "devices": devices, "seed": cfg.get("seed", 0), "mode": cfg.get("mode", "sync")}
+
+
+def run_title(run: RunDir) -> str:
+    """``FedHe on Fashion-MNIST, Dirichlet(0.5), 10 devices, seed 0``: what a figure is about."""
+    f = run_facts(run)
+    if not f:
+        return run.path.name
+    return f"{f['method']} on {f['dataset']}, {f['partition']}, {f['devices']} devices, seed {f['seed']}"
+
+
+def line_styles(n: int) -> list[dict[str, Any]]:
+    """Ten clearly different colours (tab10), then the same colours dashed, dotted...: lines stay
+    apart for any number of architectures, and markers differ too."""
+    from matplotlib import colormaps
+
+    colours = colormaps["tab10"].colors
+    dashes, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]
+    return [{"color": colours[i % 10], "linestyle": dashes[(i // 10) % len(dashes)], "marker": markers[i % len(markers)]} for i in range(n)]
 
 
 def draw_plots(run: RunDir) -> list[Path]:
@@ -46,18 +93,7 @@ def draw_plots(run: RunDir) -> list[Path]:
 
     evaluated = [m for m in metrics if m.get("accuracy") and m["accuracy"].get("overall") is not None]
     if evaluated:
-        fig, ax = plt.subplots(figsize=(8, 5))
-        archs = sorted({a for m in evaluated for a in m["accuracy"]["per_arch"]})
-        rounds = [m["round"] for m in evaluated]
-        for arch in archs:  # markers, so a single evaluation is a visible point
-            ax.plot(rounds, [m["accuracy"]["per_arch"].get(arch) for m in evaluated], marker="o", markersize=4, linewidth=1, label=arch)
-        ax.plot(rounds, [m["accuracy"]["overall"] for m in evaluated], color="black", marker="o", linewidth=2.5,
-                label=f"overall ({OVERALL})")
-        ax.set(xlabel="round", ylabel="test accuracy", title="Accuracy per round and architecture", ylim=(0, 1))
-        round_axis(ax, rounds)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        written.append(_save(fig, out_dir / "accuracy.png", plt))
+        written.append(_accuracy_plot(run, evaluated, out_dir, plt, round_axis))
 
     _remove(out_dir / "communication.png")
     if any(m["bytes_up"] or m["bytes_down"] for m in metrics):  # a method that shares nothing gets no empty chart
@@ -68,10 +104,19 @@ def draw_plots(run: RunDir) -> list[Path]:
         ax.bar([r - 0.2 for r in rounds], [m["bytes_up"] / scale for m in metrics], width=0.4, label="up (all clients)")
         ax.bar([r + 0.2 for r in rounds], [m["bytes_down"] / scale for m in metrics], width=0.4, label="down (all clients)")
         label = unit if unit == "bytes" else f"{unit} (10^{len(str(int(scale))) - 1} bytes)"
-        ax.set(xlabel="round", ylabel=f"{label}, linear axis", title="Communication per round (serialised messages)")
+        ax.set(xlabel="round", ylabel=f"{label}, linear axis", title=f"Communication per round (serialised messages)\n{run_title(run)}")
         ax.set_ylim(bottom=0)
         round_axis(ax, rounds)
-        ax.legend()
+        fedavg = _fedavg_equivalent(run)
+        if fedavg and fedavg.get("per_round_up") and run_facts(run).get("method_id") != "fedavg":
+            # FedAvg's weights would dwarf these bars on a linear axis: said in words instead
+            up, down = fedavg["per_round_up"], fedavg["per_round_down"]
+            mine = sum(m["bytes_up"] + m["bytes_down"] for m in metrics) / len(metrics)
+            # under the axes, where it covers no bar; sizes as the console's communication table writes them
+            ax.text(0, -0.2, f"FedAvg (every device's weights) would send {human_bytes(up)} up and {human_bytes(down)} down per round: "
+                    f"{(up + down) / max(mine, 1):,.0f} x this method's traffic", transform=ax.transAxes, va="top", fontsize=8.5,
+                    bbox={"boxstyle": "round", "facecolor": "#fff8e1", "edgecolor": "#c9a227"})
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
         written.append(_save(fig, out_dir / "communication.png", plt))
 
     timed = [m for m in metrics if m.get("virtual_time_by_profile")]
@@ -85,9 +130,9 @@ def draw_plots(run: RunDir) -> list[Path]:
         for m in timed:
             if m.get("stragglers"):
                 ax.annotate(f"{len(m['stragglers'])} dropped", (m["round"], deadline or 0), fontsize=7, color="red")
-        ax.set(xlabel="round", ylabel="virtual seconds (mean per device)", title="Round time by device class (virtual clock)")
+        ax.set(xlabel="round", ylabel="virtual seconds (mean per device)", title=f"Round time by device class (virtual clock)\n{run_title(run)}")
         round_axis(ax, [m["round"] for m in timed])
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
         written.append(_save(fig, out_dir / "round_time.png", plt))
 
     async_records = [m for m in metrics if m.get("mode") == "async"]
@@ -97,7 +142,7 @@ def draw_plots(run: RunDir) -> list[Path]:
         judged = [m for m in async_records if m["accuracy"] and m["accuracy"]["overall"] is not None]
         ax.plot([m["clock_s"] for m in judged], [m["accuracy"]["overall"] for m in judged], color="black", marker="o")
         clock = "virtual seconds" if async_records[0].get("virtual_clock") else "seconds"
-        ax.set(xlabel=clock, ylabel="test accuracy (overall)", title="Accuracy over time (asynchronous run)", ylim=(0, 1))
+        ax.set(xlabel=clock, ylabel="test accuracy (overall)", title=f"Accuracy over time (asynchronous run)\n{run_title(run)}", ylim=(0, 1))
         ax.grid(alpha=0.3)
         totals: dict[str, int] = {}
         for m in async_records:
@@ -118,17 +163,19 @@ def draw_plots(run: RunDir) -> list[Path]:
             counts = [[cl["class_counts"][c] for cl in clients] for c in range(len(part["class_names"]))]
             image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
             ax.set_yticks(range(len(part["class_names"])), part["class_names"], fontsize=7)
-            ax.set(xlabel=f"client (0 .. {len(clients) - 1}, config order)", title="Training samples per client and class")
+            ax.set(xlabel=f"client (0 .. {len(clients) - 1}, config order)", title=f"Training samples per client and class\n{run_title(run)}")
             fig.colorbar(image, ax=ax, label="samples")
         else:
-            fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(clients)), 4))
+            fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(clients)), 4.8))
             bottoms = [0] * len(clients)
             for c, name in enumerate(part["class_names"]):
                 vals = [cl["class_counts"][c] for cl in clients]
                 ax.bar(range(len(clients)), vals, bottom=bottoms, label=name)
                 bottoms = [b + v for b, v in zip(bottoms, vals)]
-            ax.set_xticks(range(len(clients)), [cl["client_id"] for cl in clients], rotation=60, fontsize=7)
-            ax.set(ylabel="samples", title="Training samples per client and class")
+            # each device's model under its id: which architecture saw which classes
+            ax.set_xticks(range(len(clients)), [f"{cl['client_id']}: {cl['arch']}" for cl in clients], rotation=60, fontsize=7,
+                          ha="right", rotation_mode="anchor")
+            ax.set(ylabel="samples", title=f"Training samples per client and class\n{run_title(run)}")
             ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
         written.append(_save(fig, out_dir / "partition.png", plt))
     return written
@@ -136,6 +183,79 @@ def draw_plots(run: RunDir) -> list[Path]:
 
 #: what "overall" means everywhere (plots, tables, summary.json): edgefl.server.evaluation
 OVERALL = "mean over judged devices"
+
+
+def _fedavg_equivalent(run: RunDir) -> dict[str, Any] | None:
+    try:
+        return run.read_json("summary.json").get("fedavg_equivalent")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _accuracy_plot(run: RunDir, evaluated: list[dict[str, Any]], out_dir: Path, plt, round_axis) -> Path:
+    """Accuracy per round: one line per architecture, the overall mean in black and, when the run
+    has one, the Local-only baseline's overall mean dashed, with a second panel of the final
+    accuracy per architecture, method beside baseline. Legends sit outside the data."""
+    facts = run_facts(run)
+    method = facts.get("method", "method")
+    base = baseline_metrics(run)
+    base_eval = [m for m in base or [] if m.get("accuracy") and m["accuracy"].get("overall") is not None]
+    archs = sorted({a for m in evaluated for a in m["accuracy"]["per_arch"]})
+    rounds = [m["round"] for m in evaluated]
+    if base_eval:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [1.35, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(11, 5.5))
+        bx = None
+    for arch, style in zip(archs, line_styles(len(archs))):  # markers, so a single evaluation is a visible point
+        ax.plot(rounds, [m["accuracy"]["per_arch"].get(arch) for m in evaluated], markersize=4, linewidth=1.2, alpha=0.9,
+                label=arch, **style)
+    ax.plot(rounds, [m["accuracy"]["overall"] for m in evaluated], color="black", marker="o", linewidth=2.8,
+            label=f"{method}, overall ({OVERALL})")
+    if base_eval:
+        ax.plot([m["round"] for m in base_eval], [m["accuracy"]["overall"] for m in base_eval], color="black", linestyle="--",
+                marker="o", markerfacecolor="white", linewidth=2.2, label=f"{BASELINE_LABEL} baseline, overall (no communication)")
+    ax.set(xlabel="round", ylabel="test accuracy", title=f"{method}: accuracy per round and architecture", ylim=(0, 1))
+    round_axis(ax, rounds + [m["round"] for m in base_eval])
+    ax.grid(alpha=0.3)
+    if bx is None:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, borderaxespad=0)
+        _gain_bars(bx, run, method)
+    fig.suptitle(run_title(run), fontsize=12, fontweight="bold")
+    return _save(fig, out_dir / "accuracy.png", plt)
+
+
+def _gain_bars(ax, run: RunDir, method: str) -> None:
+    """Final accuracy per architecture and overall: the method against Local-only, the gain written beside."""
+    comparison = compare(run)
+    if not comparison or comparison.get("round") is None:
+        ax.set_axis_off()
+        return
+    mine, theirs = comparison["method_accuracy"], comparison["accuracy"]
+    rows = [a for a in mine["per_arch"] if a in theirs["per_arch"]]
+    counts: dict[str, int] = {}
+    if (run.path / "partition.json").is_file():
+        for cl in run.read_json("partition.json")["clients"]:
+            counts[cl["arch"]] = counts.get(cl["arch"], 0) + 1
+    labels = [f"{r} x{counts[r]}" if r in counts else r for r in rows] + ["overall"]
+    a = [mine["per_arch"][r] for r in rows] + [mine["overall"]]
+    b = [theirs["per_arch"][r] for r in rows] + [theirs["overall"]]
+    ys = list(range(len(labels)))[::-1]  # the first architecture on top, overall at the bottom
+    h = 0.38
+    ax.barh([y + h / 2 for y in ys], a, height=h, color="#1f77b4", label=method)
+    ax.barh([y - h / 2 for y in ys], b, height=h, color="#bbbbbb", hatch="//", edgecolor="#777", label=f"{BASELINE_LABEL} (no communication)")
+    for y, x1, x2 in zip(ys, a, b):
+        gain = 100 * (x1 - x2)
+        ax.text(max(x1, x2) + 0.01, y, f"{gain:+.1f}", va="center", fontsize=8, color="#18794e" if gain > 0 else "#b4321e",
+                fontweight="bold")
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.get_yticklabels()[-1].set_fontweight("bold")
+    ax.set_xlim(0, 1.12)
+    ax.set(xlabel="test accuracy", title=f"Final accuracy (round {comparison['round']}); gain in points")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, borderaxespad=0)
 
 
 def _remove(path: Path) -> None:
@@ -151,13 +271,20 @@ def _save(fig: Any, path: Path, plt) -> Path:
 
 
 def accuracy_table(run: RunDir) -> Table:
-    """Final accuracy per architecture and overall, with the best round for each."""
+    """Final accuracy per architecture and overall, with the best round for each, and, when the
+    run has a Local-only baseline, its accuracy at the same round and the gain over it."""
     evaluated = [m for m in run.metrics() if m.get("accuracy") and m["accuracy"].get("overall") is not None]
-    table = Table(title=f"accuracy - {run.path}")
+    comparison = compare(run)
+    against = comparison if comparison and comparison.get("round") is not None else None
+    table = Table(title=f"accuracy - {run_title(run)} - {run.path}")
     table.add_column("architecture")
     table.add_column("clients", justify="right")
     table.add_column("final", justify="right")
     table.add_column("best (round)", justify="right")
+    if against is not None:
+        at = "" if against["round"] == (evaluated[-1]["round"] if evaluated else None) else f" (round {against['round']})"
+        table.add_column(f"{BASELINE_LABEL}{at}", justify="right")
+        table.add_column("gain (points)", justify="right")
     if not evaluated:
         return table
     final = evaluated[-1]["accuracy"]
@@ -168,18 +295,30 @@ def accuracy_table(run: RunDir) -> Table:
     if part_path.is_file():
         for cl in run.read_json("partition.json")["clients"]:
             counts[cl["arch"]] = counts.get(cl["arch"], 0) + 1
+    def versus(arch: str | None) -> list[str]:
+        if against is None:
+            return []
+        theirs = against["accuracy"]["overall"] if arch is None else against["accuracy"]["per_arch"].get(arch)
+        gain = against["gain"]["overall"] if arch is None else against["gain"]["per_arch"].get(arch)
+        if theirs is None or gain is None:
+            return ["", ""]
+        colour = "green" if gain > 0 else "red" if gain < 0 else "white"
+        return [f"{theirs:.4f}", f"[{colour}]{100 * gain:+.2f}[/]"]
+
     for arch in sorted(final["per_arch"]):
         best = max(evaluated, key=lambda m: m["accuracy"]["per_arch"].get(arch, -1))
         table.add_row(arch, str(counts.get(arch, "")), f"{final['per_arch'][arch]:.4f}",
-                      f"{best['accuracy']['per_arch'][arch]:.4f} ({best['round']})")
+                      f"{best['accuracy']['per_arch'][arch]:.4f} ({best['round']})", *versus(arch))
     best = max(evaluated, key=lambda m: m["accuracy"]["overall"])
     judged = sum(counts.get(arch, 0) for arch in final["per_arch"])  # generator clients are not judged
     table.add_row(f"[bold]overall ({OVERALL})", str(judged or ""), f"[bold]{final['overall']:.4f}",
-                  f"{best['accuracy']['overall']:.4f} ({best['round']})")
+                  f"{best['accuracy']['overall']:.4f} ({best['round']})", *versus(None))
     return table
 
 
 def communication_table(run: RunDir) -> Table:
+    """Bytes up and down, and (when the run recorded it) what FedAvg would have sent instead: every
+    device's weights, each way, for the same rounds and devices."""
     metrics = run.metrics()
     table = Table(title="communication")
     for col in ("", "total", "per round", "per client per round"):
@@ -188,6 +327,12 @@ def communication_table(run: RunDir) -> Table:
     for key in ("bytes_up", "bytes_down"):
         total = sum(m[key] for m in metrics)
         table.add_row(key.replace("bytes_", ""), human_bytes(total), human_bytes(total / len(metrics)), human_bytes(total / n_sel))
+    fedavg = _fedavg_equivalent(run)
+    if fedavg and metrics and run_facts(run).get("method_id") != "fedavg":  # FedAvg's own bytes are these already
+        for way in ("up", "down"):
+            total = fedavg[f"bytes_{way}_total"]
+            table.add_row(f"[dim]{way}, FedAvg would send (weights)[/]", f"[dim]{human_bytes(total)}", f"[dim]{human_bytes(total / len(metrics))}",
+                          f"[dim]{human_bytes(total / n_sel)}")
     return table
 
 

@@ -2,16 +2,24 @@
 
 The round loop's events (presence, round started, uploads, refusals, round closed) update one
 small document: every device (online, class, model, last round reported, receipts counted by
-status, the last refusal's reason), the current round (selected, reported, quorum, deadline) and
-the last refusals. It is written atomically, at most twice a second and at every round's start and
-close, so a dashboard in another process (or a finished run's directory) reads a consistent
-picture. Bounded by the fleet: one entry per configured device, 50 recent refusals.
+status, the last refusal's reason), the current round (selected, trained, reported, quorum,
+deadline) and the last refusals. It is written atomically, at most twice a second and at every
+round's start, evaluation and close, so a dashboard in another process (or a finished run's
+directory) reads a consistent picture; a change that falls inside the half second is written when
+it ends, so the page never stays behind the console. Bounded by the fleet: one entry per
+configured device, 50 recent refusals.
+
+"trained" (a simulation's device finished its training: what its console counts as "devices
+done") is separate from "reported" (the server accepted the upload): the in-memory network hands
+the server the round's uploads only once every device of the pass has trained. When the run ends
+every device is shown offline: nobody watches their presence any more.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,20 +46,39 @@ class LiveState:
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self._written = 0.0
         self._reported: set[str] = set()  # this round's reporters, beside the document's list (no scans per upload)
+        self._trained: set[str] = set()
+        self._lock = threading.Lock()  # the round loop's thread and the timer that writes a held-back change
+        self._timer: threading.Timer | None = None
+        self._ended = False
         self.write(force=True)
 
     def on_event(self, kind: str, info: dict[str, Any]) -> None:
+        with self._lock:
+            if self._ended:  # what arrives after the end (a device leaving) must not reopen the picture
+                return
+            force = self._apply(kind, info)
+            self._write(force)
+
+    def _apply(self, kind: str, info: dict[str, Any]) -> bool:
+        """Fold one event into the document; True when it must be written at once."""
         devices = self.doc["devices"]
         force = False
         if kind == "presence" and info.get("device") in devices:
             devices[info["device"]]["online"] = bool(info["online"])
         elif kind == "round":
             selected = info["selected"]
-            self._reported = set()
-            self.doc["round"] = {"round": info["round"], "selected": selected, "reported": [], "quorum": self._quorum_count(len(selected)),
-                                 "deadline_unix": info.get("deadline_unix"), "started_unix": time.time(), "outcome": None}
+            self._reported, self._trained = set(), set()
+            self.doc["round"] = {"round": info["round"], "selected": selected, "trained": [], "reported": [],
+                                 "quorum": self._quorum_count(len(selected)), "deadline_unix": info.get("deadline_unix"),
+                                 "started_unix": time.time(), "outcome": None}
             self.doc["status"] = "running"
             force = True
+        elif kind == "trained" and info.get("device") in devices:
+            current = self.doc["round"]
+            if current is not None and current["round"] == info.get("round") and info["device"] not in self._trained:
+                self._trained.add(info["device"])
+                current["trained"].append(info["device"])
+                force = len(self._trained) == len(current["selected"])
         elif kind == "upload" and info.get("device") in devices:
             entry = devices[info["device"]]
             status = info.get("status", "accepted")
@@ -61,6 +88,7 @@ class LiveState:
             if current is not None and info["device"] not in self._reported:
                 self._reported.add(info["device"])
                 current["reported"].append(info["device"])
+                force = len(self._reported) == len(current["selected"])  # the count the console ends the round on
         elif kind == "late" and info.get("device") in devices:
             devices[info["device"]]["receipts"]["late"] += 1
         elif kind == "rejected":
@@ -69,27 +97,60 @@ class LiveState:
             if info.get("device") in devices:
                 devices[info["device"]]["receipts"]["rejected"] += 1
                 devices[info["device"]]["last_reason"] = info.get("reason")
+        elif kind == "enrolled" and info.get("device") in devices:  # a device with its own data is ready
+            devices[info["device"]].update(stage="ready", samples=info.get("samples"), held_out=info.get("validation"))
+        elif kind == "declined" and info.get("device") in devices:
+            devices[info["device"]].update(stage="declined", online=False, last_reason=info.get("reason"))
+            force = True
         elif kind == "closed":
+            accuracy = info.get("accuracy") or {}
+            if accuracy.get("judged_on"):  # what the accuracy was measured on (server test set, devices' own data)
+                self.doc["accuracy_judged_on"] = accuracy["judged_on"]
             if self.doc["round"] is not None:
                 self.doc["round"]["outcome"] = info.get("outcome")
                 self.doc["round"]["stragglers"] = info.get("stragglers", [])
             force = True
-        elif kind == "joined":
+        elif kind in ("joined", "evaluating"):
             force = True
         elif kind == "stopped":
             self.doc["status"] = "interrupted"
             force = True
-        self.write(force)
+        return force
 
     def finish(self, interrupted: bool) -> None:
-        self.doc["status"] = "interrupted" if interrupted else "finished"
-        self.write(force=True)
+        with self._lock:
+            self._ended = True
+            self.doc["status"] = "interrupted" if interrupted else "finished"
+            for entry in self.doc["devices"].values():  # the run no longer hears their presence: none is "online"
+                if entry["online"]:
+                    entry["online"] = False
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._write(force=True)
 
     def write(self, force: bool = False) -> None:
+        with self._lock:
+            self._write(force)
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._write(force=True)
+
+    def _write(self, force: bool = False) -> None:
         now = time.time()
         # the document grows with the fleet (about 200 bytes a device): write a large one less often
-        if not force and now - self._written < MIN_INTERVAL_S * max(1.0, len(self.doc["devices"]) / 1000):
+        interval = MIN_INTERVAL_S * max(1.0, len(self.doc["devices"]) / 1000)
+        if not force and now - self._written < interval:
+            if self._timer is None:  # held back, not dropped: written when the interval ends
+                self._timer = threading.Timer(interval - (now - self._written), self._flush)
+                self._timer.daemon = True
+                self._timer.start()
             return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._written = now
         self.doc["updated_unix"] = now
         self.doc["rejections"] = list(self._recent)

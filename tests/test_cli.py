@@ -43,7 +43,7 @@ def test_simulate_example_then_report(tmp_path):
 
 def test_show_config_prints_resolved_preset():
     res = edgefl("simulate", "--show-config", "--set", "rounds=3")
-    assert res.returncode == 0 and "rounds = 3" in res.stdout and 'name = "fedhe"' in res.stdout
+    assert res.returncode == 0 and "rounds = 3" in res.stdout and 'name = "fedavg"' in res.stdout and 'baseline = "local"' in res.stdout
     res = edgefl("simulate", "--show-config", "--preset", "paper")
     assert res.returncode == 0 and "rounds = 50" in res.stdout
 
@@ -192,3 +192,50 @@ def test_ctrl_c_while_the_server_waits_for_devices_ends_it_as_interrupted(tmp_pa
 def test_loadgen_refuses_bad_options_with_a_reason(args: list[str], message: str):
     res = edgefl("loadgen", "--broker", "mqtt://127.0.0.1:1", "--config", str(ROOT / "examples" / "fedhe_digits_quick.toml"), *args)
     assert res.returncode != 0 and message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_local_only_baseline_runs_beside_the_method_in_table_summary_and_plots(tmp_path):
+    """simulation.baseline = "local": the same devices, data and seed under Local-only, in
+    RUN_DIR/baseline, compared per architecture and overall in the table, summary.json and the
+    plot, with what FedAvg would have sent beside the method's bytes; edgefl report shows it again."""
+    out = tmp_path / "run"
+    res = edgefl("simulate", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "rounds=2", "--set", "threads=1",
+                 "--set", 'simulation.baseline="local"', "--out", str(out), "-q")
+    assert res.returncode == 0, res.stderr[-2000:]
+    base = [json.loads(line) for line in (out / "baseline" / "metrics.jsonl").read_text().splitlines()]
+    mine = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in base] == [1, 2] and all(m["bytes_up"] == 0 and m["bytes_down"] == 0 for m in base)
+    # FedHe's first round is cross-entropy only (its warm-up): the same devices, data, initial weights
+    # and batches must then give Local-only's numbers exactly
+    assert base[0]["accuracy"] == mine[0]["accuracy"] and base[0]["train_loss"] == mine[0]["train_loss"]
+    assert 'name = "local"' in (out / "baseline" / "config.toml").read_text()
+
+    summary = json.loads((out / "summary.json").read_text())
+    cmp = summary["baseline"]
+    assert cmp["round"] == 2 and cmp["method"] == "local"
+    assert cmp["accuracy"]["overall"] == base[-1]["accuracy"]["overall"]
+    assert cmp["method_accuracy"]["overall"] == mine[-1]["accuracy"]["overall"]
+    assert cmp["gain"]["overall"] == pytest.approx(mine[-1]["accuracy"]["overall"] - base[-1]["accuracy"]["overall"], abs=1e-6)
+    assert set(cmp["gain"]["per_arch"]) == set(mine[-1]["accuracy"]["per_arch"]) and len(cmp["gain"]["per_arch"]) == 3
+    assert cmp["verdict"].startswith("FedHe ") and "Local-only" in cmp["verdict"]
+    fedavg = summary["fedavg_equivalent"]
+    per_device = fedavg["weights_bytes_per_device"]
+    assert len(per_device) == 6 and per_device["client-0"] == per_device["client-1"] > per_device["client-4"]
+    assert fedavg["bytes_up_total"] == fedavg["bytes_down_total"] == 2 * sum(per_device.values())  # every device, both rounds
+    assert fedavg["bytes_up_total"] > 20 * summary["bytes_up_total"]
+
+    for text in (res.stdout, edgefl("report", str(out)).stdout):
+        assert "Local-only" in text and "gain (points)" in text and "FedAvg would send" in text
+        assert cmp["verdict"][:40] in text.replace("\n", " ")
+    assert (out / "plots" / "accuracy.png").stat().st_size > 1000
+
+
+def test_no_baseline_unless_asked_and_none_for_local_only_itself(tmp_path):
+    out = tmp_path / "run"
+    res = edgefl("simulate", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "rounds=1", "--set", "threads=1",
+                 "--set", 'method.name="local"', "--set", 'simulation.baseline="local"', "--out", str(out), "-q")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not (out / "baseline").exists() and "no baseline: the method is local itself" in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert "baseline" not in summary and summary["fedavg_equivalent"]["bytes_up_total"] > 0
+    assert "gain (points)" not in res.stdout and "Local-only on digits" in res.stdout  # the title names the method

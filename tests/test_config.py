@@ -16,7 +16,7 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_presets_validate(preset):
     cfg = load_config(None, preset=preset)
-    # the demo is FedAvg-groups on three architectures with its Local-only baseline (benchmark 18); the paper presets are FedHe's
+    # the demo is FedAvg-groups on three architectures with its Local-only baseline (benchmark 19); the paper presets are FedHe's
     assert cfg.method.name == ("fedavg" if preset == "demo" else "fedhe") and cfg.fleet.num_clients == 10
     assert (cfg.simulation.baseline == "local") == (preset == "demo")
 

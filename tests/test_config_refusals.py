@@ -124,4 +124,5 @@ def test_a_partial_upload_budget_below_one_upload_is_refused():
     raw["network"] = {"max_message_bytes": 1 << 20, "max_partial_bytes_total": 1 << 19}
     assert "network.max_partial_bytes_total = 524288 is below network.max_message_bytes" in refusal(raw)
     raw["network"] = {"stale_upload_s": 30}
-    assert validate_config(raw).network.partial_age_limit_s() == 120  # an asynchronous run's default: 4 x stale_upload_s (a synchronous one: its round deadline)
+    # an asynchronous run's default: 4 x stale_upload_s (a synchronous one: its round deadline)
+    assert validate_config(raw).network.partial_age_limit_s() == 120

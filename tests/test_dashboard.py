@@ -176,3 +176,119 @@ def test_the_command_line_serves_beside_a_fleet_and_refuses_what_is_not_a_run(tm
     assert json.loads((out / "live.json").read_text())["status"] == "finished"
     res = edgefl("dashboard", str(tmp_path))
     assert res.returncode == 2 and "is not a run directory" in res.stderr
+
+
+def test_the_live_counts_follow_the_consoles_and_devices_end_offline(tmp_path):
+    """A simulation's console counts devices as they finish training while the in-memory server
+    reads the round's uploads only after the whole pass: live.json counts both ("trained" is the
+    console's "devices done"), writes a change held back by its half-second limit once the limit
+    passes (the page never stays behind), and shows every device offline once the run has ended."""
+    from edgefl.sim import Simulation
+
+    cfg = validate_config(digits_config("fedhe", rounds=1))
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    sim = Simulation(cfg, run, show_progress=False)
+    live = sim.session.live
+    seen: list[tuple[int, int]] = []
+
+    def advance() -> None:  # what the console's bar and heartbeat count
+        seen.append((len(live.doc["round"]["trained"]), len(live.doc["round"]["reported"])))
+
+    sim.session.write_start()
+    record = sim.run_round(1, advance)
+    sim.close()
+    assert [t for t, _ in seen] == [1, 2, 3, 4]  # trained moves with the console: device k done -> k trained
+    assert [r for _, r in seen] == [0, 0, 0, 0]  # ... while no upload has reached the server yet
+    assert len(live.doc["round"]["reported"]) == len(record["reported"]) == 4
+    on_disk = json.loads((run.path / "live.json").read_text())["round"]
+    assert len(on_disk["trained"]) == len(on_disk["reported"]) == 4  # the last count is written at once, not held back
+    live.finish(interrupted=False)
+    doc = json.loads((run.path / "live.json").read_text())
+    assert doc["status"] == "finished" and all(d["online"] is False for d in doc["devices"].values())
+
+
+def test_a_change_held_back_by_the_write_limit_is_written_when_it_ends(tmp_path):
+    import time
+
+    from edgefl.server.live import LiveState
+
+    live = LiveState(tmp_path, {f"d{i}": {"arch": "mlp"} for i in range(3)}, 2, lambda n: n, "fleet")
+    live.on_event("presence", {"device": "d0", "online": True})
+    live.on_event("round", {"round": 1, "selected": ["d0", "d1", "d2"]})  # forced write
+    live.on_event("upload", {"device": "d0", "round": 1, "status": "accepted"})  # within 0.5 s: held back
+    assert json.loads((tmp_path / "live.json").read_text())["round"]["reported"] == []
+    deadline = time.time() + 3
+    while time.time() < deadline and json.loads((tmp_path / "live.json").read_text())["round"]["reported"] != ["d0"]:
+        time.sleep(0.05)
+    assert json.loads((tmp_path / "live.json").read_text())["round"]["reported"] == ["d0"]
+    live.finish(interrupted=True)
+    live.on_event("presence", {"device": "d1", "online": True})  # after the end: ignored
+    doc = json.loads((tmp_path / "live.json").read_text())
+    assert doc["status"] == "interrupted" and not any(d["online"] for d in doc["devices"].values())
+
+
+def test_the_snapshot_carries_the_baseline_beside_the_run(tmp_path):
+    pytest.importorskip("starlette")
+    from edgefl.dashboard.app import snapshot
+
+    run = finished_run(tmp_path)
+    assert snapshot(run.path)["baseline_rounds"] == []
+    (run.path / "baseline").mkdir()
+    record = {"round": 2, "accuracy": {"overall": 0.5, "per_arch": {}}}
+    (run.path / "baseline" / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    assert snapshot(run.path)["baseline_rounds"] == [record]
+
+
+#: app.js's drawing run under node against a stand-in DOM (no browser needed): what the page writes
+PAGE_UNDER_NODE = r"""
+const fs = require("fs");
+const els = {};
+const mk = (id) => (els[id] ||= { id, textContent: "", innerHTML: "", hidden: false, value: "", checked: false, options: [],
+  className: "", querySelector: () => mk(id + " tbody"), addEventListener: () => {} });
+global.document = { getElementById: mk, title: "" };
+global.location = { search: "" };
+global.Chart = function (canvas, config) { this.data = config.data; this.options = config.options; this.update = () => {}; };
+global.fetch = () => ({ then: () => ({ then: () => {} }) });
+global.EventSource = function () { this.addEventListener = () => {}; };
+global.setInterval = () => 0; global.clearInterval = () => {};
+eval(fs.readFileSync(process.argv[2], "utf8") + "\nglobal.__draw = draw; global.__charts = charts;");
+__draw(JSON.parse(fs.readFileSync(process.argv[3], "utf8")));
+console.log(JSON.stringify({ round: els["round"].innerHTML, count: els["device-count"].textContent,
+  datasets: __charts.accuracy.data.datasets.map((d) => d.label) }));
+"""
+
+
+@pytest.mark.parametrize("runner", ["simulation", "fleet"])
+def test_the_page_counts_what_the_console_counts(tmp_path, runner):
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("node is not installed")
+    import subprocess
+
+    from edgefl.dashboard import app
+
+    ids = [f"client-{i}" for i in range(10)]
+    state = {"run": {"name": "x", "runner": runner, "rounds": 12}, "status": "running", "rounds": [], "rejections": [],
+             "rejections_total": 0, "baseline_rounds": [{"round": 3, "accuracy": {"overall": 0.5, "per_arch": {}}}],
+             # a simulation: devices 0-2 trained, their uploads not yet read; a fleet: 0-2 uploaded (it never counts "trained")
+             "round": {"round": 4, "selected": ids, "trained": ids[:3] if runner == "simulation" else [],
+                       "reported": [] if runner == "simulation" else ids[:3], "quorum": 10, "outcome": None},
+             "devices": {d: {"arch": "mlp", "online": True, "receipts": {}} for d in ids}}
+
+    def page(state: dict) -> dict:
+        (tmp_path / "state.json").write_text(json.dumps(state))
+        (tmp_path / "page.js").write_text(PAGE_UNDER_NODE)
+        res = subprocess.run([node, str(tmp_path / "page.js"), str(app.STATIC / "app.js"), str(tmp_path / "state.json")],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    shown = page(state)
+    if runner == "simulation":  # the console's "training, 3/10 devices done"
+        assert '<b id="trained">3</b> of 10 selected trained, <b id="reported">0</b> reported' in shown["round"]
+    else:  # a fleet's console counts uploads: "3/10 devices reported"
+        assert '<b id="reported">3</b> of 10 selected reported (' in shown["round"]
+    assert shown["count"] == "(10; 10 online)" and "Local-only baseline, overall" in shown["datasets"]
+    state["status"] = "finished"
+    state["devices"] = {d: {**v, "online": False} for d, v in state["devices"].items()}
+    assert page(state)["count"] == "(10; 0 online, the run has ended)"

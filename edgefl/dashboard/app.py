@@ -34,7 +34,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 STATIC = Path(__file__).parent / "static"
-WATCHED = ("live.json", "metrics.jsonl", "summary.json", "run.json", "partition.json")
+WATCHED = ("live.json", "metrics.jsonl", "summary.json", "run.json", "partition.json", "baseline/metrics.jsonl")
 
 
 def _read_json(path: Path) -> Any:
@@ -65,6 +65,7 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
     partition = _read_json(run_dir / "partition.json") or {}
     metrics = _read_metrics(run_dir / "metrics.jsonl")
     summary = _read_json(run_dir / "summary.json")
+    baseline = _read_metrics(run_dir / "baseline" / "metrics.jsonl")  # the Local-only run beside it (simulation.baseline)
     devices = (live or {}).get("devices") or {c["client_id"]: {"arch": c["arch"], "profile": c.get("profile"), "online": None,
                                                                 "receipts": {}, "last_round": None, "last_reason": None,
                                                                 "samples": c.get("num_samples")}
@@ -96,6 +97,7 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
         "rejections": (live or {}).get("rejections", []),
         "rejections_total": (live or {}).get("rejections_total", 0),
         "rounds": rounds,
+        "baseline_rounds": [{"round": m["round"], "accuracy": m.get("accuracy")} for m in baseline],
         "summary": summary,
         "updated_unix": (live or {}).get("updated_unix"),
     }

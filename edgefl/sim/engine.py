@@ -22,6 +22,7 @@ from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federati
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
+from edgefl.errors import ConfigError, EdgeflError
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.heartbeat import Heartbeat
 from edgefl.report import human_bytes
@@ -32,6 +33,14 @@ from edgefl.sim.hosts import Host, ProcessHost
 from edgefl.sim.network import InMemoryNetwork
 
 log = logging.getLogger("edgefl.sim")
+
+
+def check_simulable(cfg: RunConfig, runner: str = "a simulation") -> None:
+    """Devices that bring their own data cannot be played from one config."""
+    if cfg.data.device_held:
+        raise ConfigError(f'data.partition = "devices": the devices bring their own data, which {runner} does not have',
+                          hint="run edgefl server with this config and edgefl client --data on each device (docs/your-data.md), "
+                               "or split a data set: partition = \"iid\" or \"dirichlet\"")
 
 
 class Simulation:
@@ -47,13 +56,15 @@ class Simulation:
         on_round: Callable[[dict[str, Any]], None] | None = None,
         parts: RunParts | None = None,
     ) -> None:
+        check_simulable(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
         self.console = console or Console(stderr=True)
         self.show_progress = show_progress
         self.on_round = on_round
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        # chosen once for the whole run: every host trains with these threads (numbers depend on it)
+        self.threads = run_threads(cfg)
+        torch.set_num_threads(self.threads)
         self.parts = parts if parts is not None else build_run(cfg, dataset)
         self.ds, self.slots = self.parts.ds, self.parts.slots
         self.slot_of = {s.client_id: s for s in self.slots}
@@ -65,9 +76,9 @@ class Simulation:
         self.compute_device = resolve_device(cfg.device)
         batch = cfg.simulation.batch_clients == "on" or (cfg.simulation.batch_clients == "auto" and self.compute_device.type == "cuda")
         self.batcher = FitBatcher() if batch else None
-        self.network = InMemoryNetwork(self._work_seconds, timed, on_work=lambda device, work: self._advance(), batcher=self.batcher)
+        self.network = InMemoryNetwork(self._work_seconds, timed, on_work=self._trained, batcher=self.batcher)
         federation = federation_name(cfg)
-        self.hosts = start_hosts(cfg, self.slots)
+        self.hosts = start_hosts(cfg, self.slots, self.threads)
         host_of = {device: host for host in self.hosts for device in host.devices}
         for s in self.slots:
             if s.client_id in host_of:
@@ -78,11 +89,18 @@ class Simulation:
             self.network.attach(loop)
         self._closer = weakref.finalize(self, close_hosts, list(self.hosts))
         self._events: Callable[[str, dict[str, Any]], None] = lambda kind, info: None
-        facts = {"simulation": {"batch_clients": batch, "backend": cfg.simulation.backend, "hosts": len(self.hosts)}}
+        facts = {"simulation": {"batch_clients": batch, "backend": cfg.simulation.backend, "hosts": len(self.hosts),
+                                "threads": self.threads}}
         self.session = RunSession(self.parts, self.network, federation, runner="simulation", run_dir=run_dir,
                                   deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info), start_facts=facts)
         self.server = self.session.server
+        self.session.device_models = self._device_models
         self._joined = False
+
+    def _device_models(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every device's weights (from the worker hosts too): what the run's ship plan picks from."""
+        self.fetch_client_states()
+        return {cid: client.model.state_dict() for cid, client in self.clients.items()}
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -103,14 +121,24 @@ class Simulation:
         finally:
             self._advance = lambda: None
 
+    def _trained(self, device: str, work: WorkDone) -> None:
+        """A device finished its training: the console's bar moves, and so does the dashboard's
+        "trained" count (its upload reaches the server only once the whole pass has trained)."""
+        live = self.session.live
+        if live is not None:
+            live.on_event("trained", {"device": device, "round": work.round})
+        self._advance()
+
     def _work_seconds(self, device: str, work: WorkDone) -> float | None:
         seconds = device_time(self.cfg, self.ds, self.slot_of[device], work.samples, work.bytes_up, work.bytes_down)
         profile = self.slot_of[device].profile
         if seconds is None and self.cfg.mode == "async" and profile is not None and profile.id not in self._unpriced:
             # asynchronous: such a device reports at once, again and again, and crowds out the rest
             self._unpriced.add(profile.id)
+            from edgefl.profile.assign import measure_advice
+
             log.warning("device class %s has no known speed: its devices take no virtual time and report as fast as the "
-                        "server answers; measure it (edgefl device-profile) or give its profile effective_gflops", profile.id)
+                        "server answers; %s", profile.id, measure_advice(profile, "speed"))
         return seconds
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
@@ -155,7 +183,7 @@ class Simulation:
 
         def on_record(record: dict[str, Any]) -> None:
             if self.show_progress:
-                self.console.print(round_line(record, cfg.rounds))
+                self.console.print(round_line(record, cfg.rounds), markup=False)  # plain text: "[deadline]" is an outcome, not a style
                 heartbeat.printed()
             if self.on_round:
                 self.on_round(record)
@@ -200,9 +228,61 @@ class Simulation:
             self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
 
 
-def start_hosts(cfg: RunConfig, slots: list[DeviceSlot]) -> list[Host]:
+def run_baseline(parts: RunParts, run_dir: RunDir, console: Console, show_progress: bool = True,
+                 should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    """The Local-only baseline of a run (``simulation.baseline = "local"``): the run's own devices,
+    data, seed and training under the ``local`` method, into ``RUN_DIR/baseline``. Returns its summary."""
+    from edgefl.baseline import BASELINE_DIR, baseline_parts
+
+    local = baseline_parts(parts)
+    target = RunDir.create(run_dir.path / BASELINE_DIR, local.cfg.name, local.cfg.seed)
+    if show_progress:
+        console.print(f"[bold]baseline[/]: Local-only on the same {len(parts.slots)} devices, data, seed and training "
+                      f"(nothing shared), {local.cfg.rounds} rounds -> {target.path}")
+    return Simulation(local.cfg, target, console=console, show_progress=show_progress, parts=local).run(should_stop=should_stop)
+
+
+def record_comparison(run_dir: RunDir, parts: RunParts) -> dict[str, Any]:
+    """Put what federation bought into the run's summary.json -- the Local-only baseline beside
+    the method (when the run has one) and what FedAvg would have sent -- and re-draw the plots
+    with them. Returns the fields added."""
+    from edgefl.baseline import compare, fedavg_traffic, verdict, weights_bytes
+    from edgefl.report import METHOD_NAMES, draw_plots
+
+    metrics = run_dir.metrics()
+    added: dict[str, Any] = {"fedavg_equivalent": fedavg_traffic(metrics, weights_bytes(parts))}
+    mine = sum(m["bytes_up"] + m["bytes_down"] for m in metrics)
+    theirs = added["fedavg_equivalent"]["bytes_up_total"] + added["fedavg_equivalent"]["bytes_down_total"]
+    added["fedavg_equivalent"]["method_share"] = round(mine / theirs, 6) if theirs else None  # this method's bytes per FedAvg byte
+    comparison = compare(run_dir)
+    if comparison is not None:
+        comparison["verdict"] = verdict(comparison, METHOD_NAMES.get(parts.cfg.method.name, parts.cfg.method.name))
+        added["baseline"] = comparison
+    summary = run_dir.read_json("summary.json") if (run_dir.path / "summary.json").is_file() else {}
+    run_dir.write_json("summary.json", {**summary, **added})
+    try:
+        draw_plots(run_dir)
+    except EdgeflError as exc:  # matplotlib missing: the numbers are saved
+        log.warning("no plots: %s", exc.message)
+    return added
+
+
+def run_threads(cfg: RunConfig) -> int:
+    """The torch intra-op threads every client half of a run trains with: ``threads``, else this
+    process's torch default (the machine's cores, unless the caller set another), chosen once.
+    A kernel's sums run in an order that depends on its thread count, so this is part of the
+    run's determinism: the in-process devices, worker processes and Ray actors all get it (numbers
+    are then the same on every backend) and run.json records it (``simulation.threads``)."""
+    return cfg.threads or torch.get_num_threads()
+
+
+def start_hosts(cfg: RunConfig, slots: list[DeviceSlot], threads: int | None = None) -> list[Host]:
     """The worker hosts ``simulation`` asks for (none: every device in this process). Devices
-    are dealt round-robin; with Ray, each device class (profile) gets actors of its own."""
+    are dealt round-robin; with Ray, each device class (profile) gets actors of its own. Every
+    host trains with ``threads`` (default :func:`run_threads`): workers on one machine then share
+    its cores (set ``threads`` = cores / workers for speed: numbers are then those of one process
+    with that many threads)."""
+    threads = threads or run_threads(cfg)
     sim = cfg.simulation
     devices = [s.client_id for s in slots]
     count = sim.worker_count(len(devices))
@@ -213,8 +293,7 @@ def start_hosts(cfg: RunConfig, slots: list[DeviceSlot]) -> list[Host]:
     if sim.backend == "ray":
         from edgefl.sim.ray_hosts import class_shares, start_ray_hosts
 
-        return start_ray_hosts(sim, config, class_shares(slots, count), cfg.threads)
-    threads = cfg.threads or max(1, torch.get_num_threads() // count)
+        return start_ray_hosts(sim, config, class_shares(slots, count), threads)
     return [ProcessHost(config, share, threads) for share in shares]
 
 

@@ -36,15 +36,33 @@ function humanBytes(n) {
   return `${n} B`;
 }
 
-function drawCharts(rounds) {
-  const evaluated = rounds.filter((r) => r.accuracy && r.accuracy.overall !== null && r.accuracy.overall !== undefined);
+const judged = (rows) => rows.filter((r) => r.accuracy && r.accuracy.overall !== null && r.accuracy.overall !== undefined);
+
+function drawCharts(rounds, baselineRounds) {
+  const evaluated = judged(rounds);
+  const baseline = judged(baselineRounds || []);
   const archs = [...new Set(evaluated.flatMap((r) => Object.keys(r.accuracy.per_arch || {})))].sort();
-  charts.accuracy.data.labels = evaluated.map((r) => r.round);
+  // rounds are the x labels: the baseline's points sit at the same rounds (it is judged on the same schedule)
+  const labels = [...new Set(evaluated.map((r) => r.round).concat(baseline.map((r) => r.round)))].sort((a, b) => a - b);
+  const at = (rows, pick) => labels.map((round) => { const row = rows.find((r) => r.round === round); return row ? pick(row) : null; });
+  charts.accuracy.data.labels = labels;
   charts.accuracy.data.datasets = archs.map((arch, i) => ({
-    label: arch, data: evaluated.map((r) => r.accuracy.per_arch[arch] ?? null), borderColor: palette[i % palette.length],
-    backgroundColor: palette[i % palette.length], pointRadius: 3, borderWidth: 1,
-  })).concat([{ label: "overall (mean over judged devices)", data: evaluated.map((r) => r.accuracy.overall),
+    label: arch, data: at(evaluated, (r) => r.accuracy.per_arch[arch] ?? null), borderColor: palette[i % palette.length],
+    backgroundColor: palette[i % palette.length], pointRadius: 3, borderWidth: 1, borderDash: i >= palette.length ? [6, 3] : [],
+  })).concat([{ label: "overall (mean over judged devices)", data: at(evaluated, (r) => r.accuracy.overall),
     borderColor: "#111", backgroundColor: "#111", pointRadius: 4, borderWidth: 2.5 }]);
+  // say what the accuracy was measured on: the server's test set, or devices' own held-out data (device-held data)
+  const last = evaluated.length ? evaluated[evaluated.length - 1].accuracy : null;
+  charts.accuracy.options.scales.y.title.text = last && last.judged_on ? `accuracy on the ${last.judged_on}` : "test accuracy";
+  if (evaluated.some((r) => r.accuracy.device_validation)) {
+    charts.accuracy.data.datasets.push({ label: "devices' own validation data, mean",
+      data: at(evaluated, (r) => (r.accuracy.device_validation ? r.accuracy.device_validation.overall : null)),
+      borderColor: "#555", backgroundColor: "#555", pointRadius: 3, borderWidth: 2, borderDash: [2, 3] });
+  }
+  if (baseline.length) {
+    charts.accuracy.data.datasets.push({ label: "Local-only baseline, overall", data: at(baseline, (r) => r.accuracy.overall),
+      borderColor: "#111", backgroundColor: "#fff", pointRadius: 4, borderWidth: 2, borderDash: [8, 4] });
+  }
   charts.accuracy.update();
 
   charts.communication.data.labels = rounds.map((r) => r.round);
@@ -72,11 +90,18 @@ function drawRound(s) {
   if (countdown) clearInterval(countdown);
   if (!r) { box.textContent = s.rounds.length ? `${s.rounds.length} rounds played` : "no round yet"; return; }
   const reported = r.reported.length;
+  const n = Math.max(1, r.selected.length);
+  // a simulation's devices all train before the server reads their uploads: "trained" is what its console counts as done
+  const trained = Math.max((r.trained || []).length, reported);
+  const counts = s.run.runner === "simulation"
+    ? `<b id="trained">${trained}</b> of ${r.selected.length} selected trained, <b id="reported">${reported}</b> reported to the server`
+    : `<b id="reported">${reported}</b> of ${r.selected.length} selected reported`;
   const closed = r.outcome ? ` - closed: ${r.outcome}` : "";
   const strag = (r.stragglers || []).length ? `, stragglers: ${r.stragglers.join(", ")}` : "";
   box.innerHTML = `<div id="round-line">round ${r.round}${s.run.rounds ? " of " + s.run.rounds : ""}: `
-    + `<b id="reported">${reported}</b> of ${r.selected.length} selected reported (quorum ${r.quorum})${closed}${strag}`
-    + ` <span id="deadline"></span></div><div class="bar"><div style="width:${(100 * reported) / Math.max(1, r.selected.length)}%"></div></div>`;
+    + `${counts} (quorum ${r.quorum})${closed}${strag}`
+    + ` <span id="deadline"></span></div><div class="bar"><div class="trained" style="width:${(100 * trained) / n}%"></div>`
+    + `<div class="reported" style="width:${(100 * reported) / n}%"></div></div>`;
   if (!r.outcome && r.deadline_unix && s.run.runner === "fleet") {
     const tick = () => {
       const left = Math.max(0, r.deadline_unix - Date.now() / 1000);
@@ -112,7 +137,8 @@ function drawDevices(s) {
   page = Math.min(page, pages - 1);
   el("page").textContent = `page ${page + 1} of ${pages}`;
   const online = ids.filter((d) => s.devices[d].online === true).length;
-  el("device-count").textContent = `(${ids.length}; ${online} online)`;
+  const ended = s.status === "finished" || s.status === "interrupted";
+  el("device-count").textContent = `(${ids.length}; ${online} online${ended ? ", the run has ended" : ""})`;
   el("devices").querySelector("tbody").innerHTML = shown.slice(page * PAGE_SIZE, (page + 1) * PAGE_SIZE).map((d) => {
     const dev = s.devices[d];
     const rc = dev.receipts || {};
@@ -148,7 +174,7 @@ function draw(s) {
   badge.textContent = s.status;
   badge.className = `badge ${s.status}`;
   drawRound(s);
-  drawCharts(s.rounds);
+  drawCharts(s.rounds, s.baseline_rounds);
   drawDevices(s);
   drawRejections(s);
 }
