@@ -133,7 +133,7 @@ def test_forward_statistics_are_kept_on_disk_so_assign_does_not_count_them_again
     first = forward_stats("cnn-small", (), (1, 28, 28), 10)  # counted, or read from the cache file
     assert cost._stats_path().is_file()
     forward_stats.cache_clear()
-    monkeypatch.setattr(cost, "_STATS", None)  # as a new process starts: only the file remains
+    monkeypatch.setattr(cost._STATS_CACHE, "data", None)  # as a new process starts: only the file remains
 
     def never(*args):
         raise AssertionError("counted again")

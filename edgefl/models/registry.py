@@ -136,7 +136,7 @@ def model_info(name: str, num_classes: int = 10, input_shape: tuple[int, ...] | 
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
     shape = tuple(input_shape) if input_shape else None
     key = json.dumps([name, num_classes, shape, frozen], default=str)
-    cache = _disk_cache()
+    cache = _DISK.load()
     if key in cache:
         try:
             return ModelInfo(**{**cache[key], "input_shape": tuple(cache[key]["input_shape"])})
@@ -144,7 +144,7 @@ def model_info(name: str, num_classes: int = 10, input_shape: tuple[int, ...] | 
             pass  # written by another layout of ModelInfo: measure again
     info = _info_cached(name, num_classes, shape, frozen)
     cache[key] = asdict(info)
-    _save_disk_cache(cache)
+    _DISK.save()
     return info
 
 
@@ -158,26 +158,33 @@ def _cache_path() -> Path:
     return root / f"model-info-{digest.hexdigest()[:16]}.json"
 
 
-_DISK: dict[str, Any] | None = None
+class JsonFileCache:
+    """A dict kept in one JSON file of the user's cache folder, read once per process; failing to
+    write it (a read-only home) costs time, nothing else. Shared by the zoo's measurements and
+    the cost model's forward statistics."""
 
+    def __init__(self, path: Callable[[], Path]) -> None:
+        self.path = path
+        self.data: dict[str, Any] | None = None
 
-def _disk_cache() -> dict[str, Any]:
-    global _DISK
-    if _DISK is None:
+    def load(self) -> dict[str, Any]:
+        if self.data is None:
+            try:
+                loaded = json.loads(self.path().read_text())
+                self.data = loaded if isinstance(loaded, dict) else {}
+            except (OSError, ValueError):
+                self.data = {}
+        return self.data
+
+    def save(self) -> None:
+        path = self.path()
         try:
-            loaded = json.loads(_cache_path().read_text())
-            _DISK = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            _DISK = {}
-    return _DISK
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.load()))
+            os.replace(tmp, path)
+        except OSError:
+            pass
 
 
-def _save_disk_cache(cache: dict[str, Any]) -> None:
-    path = _cache_path()
-    try:  # a cache: failing to write it (read-only home) costs time, nothing else
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+_DISK = JsonFileCache(lambda: _cache_path())

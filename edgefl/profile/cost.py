@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from edgefl.models import build_model, example_inputs, model_info
+from edgefl.models.registry import JsonFileCache
 from edgefl.profile.schema import DeviceProfile
 
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}
@@ -122,7 +122,7 @@ def forward_stats(name: str, frozen_options: tuple, input_shape: tuple[int, ...]
     this module's and torch's version: counting the zoo's 26 candidates took ``edgefl assign``
     a minute or more on every call."""
     key = json.dumps([name, frozen_options, input_shape, num_classes], default=str)
-    cache = _stats_cache()
+    cache = _STATS_CACHE.load()
     if key in cache:
         try:
             return ForwardStats(**cache[key])
@@ -130,7 +130,7 @@ def forward_stats(name: str, frozen_options: tuple, input_shape: tuple[int, ...]
             pass  # written by another layout of ForwardStats: count again
     stats = _count_forward(name, frozen_options, input_shape, num_classes)
     cache[key] = asdict(stats)
-    _save_stats_cache(cache)
+    _STATS_CACHE.save()
     return stats
 
 
@@ -143,29 +143,7 @@ def _stats_path() -> Path:
     return models.with_name(f"forward-stats-{digest}.json")
 
 
-_STATS: dict[str, Any] | None = None
-
-
-def _stats_cache() -> dict[str, Any]:
-    global _STATS
-    if _STATS is None:
-        try:
-            loaded = json.loads(_stats_path().read_text())
-            _STATS = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            _STATS = {}
-    return _STATS
-
-
-def _save_stats_cache(cache: dict[str, Any]) -> None:
-    path = _stats_path()
-    try:  # a cache: failing to write it (read-only home) costs time, nothing else
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+_STATS_CACHE = JsonFileCache(lambda: _stats_path())
 
 
 def _count_forward(name: str, frozen_options: tuple, input_shape: tuple[int, ...], num_classes: int) -> ForwardStats:
