@@ -9,11 +9,10 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import torch
 
-from edgefl.messages import Message, encode
+from edgefl.messages import Message, decode, encode
 from edgefl.rundir import RunDir
 from edgefl.transport.envelope import Envelope, pack, unpack
 from edgefl.transport.link import BrokerAddress, Link
@@ -21,6 +20,7 @@ from edgefl.transport.signing import write_keypair
 from edgefl.transport.topics import Topics
 from tests.mosquitto import mosquitto
 from tests.test_fleet import fleet_config, wait_online
+from tests.test_soak import flood_until
 
 IDS = [f"client-{i}" for i in range(4)]
 
@@ -43,8 +43,8 @@ def forged_server_stream(topics: Topics, rng: random.Random, captured: list[byte
                                       extra={"info": {"run": "forged"}})), False
         elif kind == 2 and captured:
             original = unpack(rng.choice(captured), 1 << 30)  # the server's real download, its weights poisoned
-            tensors = {k: v.clone().fill_(1e30) if v.is_floating_point() else v
-                       for k, v in (original.body and __import__("edgefl.messages", fromlist=["decode"]).decode(original.body).tensors or {}).items()}
+            real = decode(original.body).tensors if original.codec == "safetensors" else {}
+            tensors = {k: v.clone().fill_(1e30) if v.is_floating_point() else v for k, v in real.items()}
             body = encode(Message("weights", original.round + 1, "server", tensors))
             yield down, pack(Envelope("download", fed, original.round + 1, "server", body, model_version=original.round + 1,
                                       codec="safetensors", extra=dict(original.extra))), False
@@ -85,20 +85,8 @@ def _soak(tmp_path, federation: str, signed: bool, deadline_s: float):
         captured: list[bytes] = []
         stop = threading.Event()
 
-        def attack():
-            for topic, payload, retain in forged_server_stream(topics, random.Random(11), captured):
-                if stop.is_set():
-                    return
-                attacker.publish(topic, payload, retain=retain)
-                sent["count"] += 1
-                while (item := attacker.get(0)) is not None:  # the server's real messages, to replay and poison
-                    if len(captured) < 30 and item.payload[:4] == b"EDFL":
-                        try:
-                            if unpack(item.payload, 1 << 30).type == "download":
-                                captured.append(item.payload)
-                        except Exception:
-                            pass
-                time.sleep(0.002)
+        def attack():  # the server's real downloads are kept, to replay and poison
+            flood_until(stop, attacker, forged_server_stream(topics, random.Random(11), captured), sent, captured, "download", 30, 0.002)
 
         flood = threading.Thread(target=attack, daemon=True)
         flood.start()

@@ -47,6 +47,25 @@ def hostile_stream(topics: Topics, rng: random.Random, captured: list[bytes]):
             yield topics.up(device), pack(Envelope("upload", fed, rng.randrange(0, 5), device, b"{}", codec="safetensors")), False
 
 
+def flood_until(stop: threading.Event, attacker: Link, stream, sent: dict, captured: list[bytes], keep: str, most: int,
+                pause_s: float) -> None:
+    """Publish ``stream`` until ``stop``, counting in ``sent["count"]`` and keeping up to ``most``
+    real messages of type ``keep`` that the attacker overhears, for the stream to replay."""
+    for topic, payload, retain in stream:
+        if stop.is_set():
+            return
+        attacker.publish(topic, payload, retain=retain)
+        sent["count"] += 1
+        while (item := attacker.get(0)) is not None:
+            if item.payload[:4] == b"EDFL" and len(captured) < most:
+                try:
+                    if unpack(item.payload, 1 << 30).type == keep:
+                        captured.append(item.payload)
+                except Exception:
+                    pass
+        time.sleep(pause_s)
+
+
 def test_a_run_under_continuous_hostile_traffic_ends_with_the_fault_free_numbers(tmp_path):
     from edgefl.fleet.launcher import serve
     from edgefl.sim import Simulation
@@ -65,20 +84,7 @@ def test_a_run_under_continuous_hostile_traffic_ends_with_the_fault_free_numbers
         stop = threading.Event()
 
         def attack():
-            stream = hostile_stream(topics, random.Random(7), captured)
-            for topic, payload, retain in stream:
-                if stop.is_set():
-                    return
-                attacker.publish(topic, payload, retain=retain)
-                sent["count"] += 1
-                while (item := attacker.get(0)) is not None:  # real uploads, to replay
-                    if item.payload[:4] == b"EDFL" and len(captured) < 50:
-                        try:
-                            if unpack(item.payload, 1 << 24).type == "upload":
-                                captured.append(item.payload)
-                        except Exception:
-                            pass
-                time.sleep(0.001)
+            flood_until(stop, attacker, hostile_stream(topics, random.Random(7), captured), sent, captured, "upload", 50, 0.001)
 
         # retained poison is on the device topics before the server subscribes
         for d in ids:
