@@ -44,7 +44,7 @@ from edgefl.messages import Message, decode, encode
 from edgefl.transport.base import Delivery, DeviceTransport
 from edgefl.transport.chunks import Reassembler, split
 from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
-from edgefl.transport.signing import EVERYONE, Verifier, signed_header
+from edgefl.transport.signing import EVERYONE, Verifier
 from edgefl.safetext import printable
 from edgefl.tensorchecks import bounded_problem, nonfinite_problem
 
@@ -174,11 +174,8 @@ class DeviceLoop:
         """With the server's key: the message must be signed by it, for this device (or everyone,
         on the announcement channel), and not seen before."""
         assert self.verifier is not None
-        header = signed_header(item.payload)
-        if header is None:
-            raise PayloadError("a server message whose header does not parse")
         announcement = item.channel == "announcement"
-        self.verifier.check(item.payload, header, EVERYONE if announcement else self.device)
+        header = self.verifier.verify(item.payload, EVERYONE if announcement else self.device)
         if not announcement and header.get("to") != self.device:
             raise PayloadError("a message for everyone on this device's own topic: refused")
         message_id = header.get("message_id")

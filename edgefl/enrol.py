@@ -26,7 +26,7 @@ from edgefl.seeding import derive_seed
 from edgefl.task import Task, parse_task
 from edgefl.transport.base import DeviceTransport
 from edgefl.transport.envelope import Envelope, pack, unpack
-from edgefl.transport.signing import Verifier, signed_header
+from edgefl.transport.signing import Verifier
 
 log = logging.getLogger("edgefl.device")
 
@@ -83,10 +83,7 @@ class Joiner:
                 continue
             try:
                 if self.verifier is not None:
-                    header = signed_header(item.payload)
-                    if header is None:
-                        raise PayloadError("a server message whose header does not parse")
-                    self.verifier.check(item.payload, header, self.device)
+                    self.verifier.verify(item.payload, self.device)
                 env = unpack(item.payload, DEFAULT_MAX_BYTES)
             except PayloadError as exc:
                 log.warning("%s: ignoring a malformed message while joining: %s", self.device, str(exc)[:200])

@@ -44,7 +44,6 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
 
     by_arch = {s.arch: s for s in slots}
     candidates = [(by_arch[a].model, dict(by_arch[a].model_options)) for a in shipped if a in by_arch]
-    label = {_label(by_arch[a].model, by_arch[a].model_options): a for a in shipped if a in by_arch}
     out: dict[str, Any] = {}
     if not candidates:
         return out
@@ -61,13 +60,9 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
         if result.chosen is None:
             out[profile.id] = {"arch": None, "why": result.reason}
             continue
-        arch = label.get(result.chosen.label, result.chosen.label)
+        arch = result.chosen.label  # assign labels a candidate as DeviceSlot.arch names it: model(option=value,...)
         out[profile.id] = {"arch": arch, "file": shipped.get(arch, {}).get("file"), "why": f"edgefl assign: {result.reason}"}
     return out
-
-
-def _label(name: str, options: dict) -> str:
-    return name + (f"({','.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
 
 
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],

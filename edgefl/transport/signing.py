@@ -123,6 +123,14 @@ class Verifier:
                               hint=f"copy {PUBLIC_FILE} from the folder edgefl broker-config wrote") from None
         return cls.from_hex(text)
 
+    def verify(self, data: bytes, recipient: str) -> dict:
+        """Check a whole received envelope (see :meth:`check`) and return its header."""
+        header = signed_header(data)
+        if header is None:
+            raise PayloadError("a server message whose header does not parse")
+        self.check(data, header, recipient)
+        return header
+
     def check(self, data: bytes, header: dict, recipient: str) -> None:
         """Raise :class:`PayloadError` unless ``data`` (a whole received envelope whose parsed
         header is ``header``) is signed by the server and addressed to ``recipient`` or everyone."""
