@@ -54,7 +54,7 @@ def child() -> None:
         from edgefl.errors import PayloadError
         from edgefl.messages import decode
         from edgefl.safejson import loads
-        from edgefl.server.orchestrator import RoundState
+        from edgefl.server.rounds import RoundState
         from edgefl.transport.base import Delivery
         from edgefl.transport.chunks import Reassembler
         from edgefl.transport.envelope import unpack
@@ -67,7 +67,7 @@ def child() -> None:
 
     sim = Simulation(validate_config(digits_config("fedavg", rounds=3)), show_progress=False)
     sim.run_round(1)
-    orchestrator = sim.session.orchestrator
+    endpoint, policy = sim.session.endpoint, sim.session.policy
     logging.getLogger("edgefl.server").setLevel(logging.ERROR)  # refusals are expected: keep the output to crashes
 
     class Unexpected(logging.Handler):
@@ -92,14 +92,14 @@ def child() -> None:
             pass
         if len(reassembler.partial) > 64:
             reassembler.partial.clear()
-        now = orchestrator.transport.now()
-        if orchestrator.state is None:
-            orchestrator.state = RoundState(2, list(orchestrator.device_ids), now, now + 100)
-        orchestrator.handle(Delivery("message", "client-0", data))
+        now = policy.clock.now()
+        if policy.state is None:
+            policy.state = RoundState(2, list(endpoint.device_ids), now, now + 100)
+        endpoint.handle(Delivery("message", "client-0", data))
         for inbox in sim.network._inbox.values():
             inbox.clear()
-        if len(orchestrator.state.reported) > 2:
-            orchestrator.state = None
+        if len(policy.state.reported) > 2:
+            policy.state = None
 
     atheris.Setup(sys.argv, one_input)
     atheris.Fuzz()

@@ -371,6 +371,16 @@ class MethodSettings(BaseModel):
         return dict(self.model_extra or {})
 
 
+class FilterSettings(BaseModel):
+    """One ``[[filters]]`` entry: ``name`` picks the filter; the other keys are its options, validated by it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
 class RunConfig(Strict):
     name: str = Field("run", description="names the run directory (runs/<time>-<name>-s<seed>) and, unless network.federation is set, the fleet's topics")
     seed: Whole = Field(0, description="every random draw (partition, initial weights, batch order, selection) derives from it")
@@ -392,6 +402,9 @@ class RunConfig(Strict):
     network: NetworkSettings = Field(default_factory=NetworkSettings)
     simulation: SimulationSettings = Field(default_factory=SimulationSettings)
     asynchronous: AsyncSettings = Field(default_factory=AsyncSettings)
+    filters: list[FilterSettings] = Field(
+        default_factory=list, description="the chain every upload and download passes through, in order ([[filters]] name = ... "
+                                          "plus the filter's options; docs/filters.md): compression (quantize, topk), privacy")
     export: list[Literal["onnx", "tflite", "int8"]] = Field(
         default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
     )
@@ -441,9 +454,15 @@ class RunConfig(Strict):
             return self.train
         return self.train.model_copy(update=group.train.model_dump(exclude_none=True))
 
+    def filter_chain(self) -> list[tuple[str, dict[str, Any]]]:
+        """The ``[[filters]]`` as (name, options) pairs, in order (edgefl.filters.build_chain)."""
+        return [(f.name, f.options()) for f in self.filters]
+
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump(mode="json", exclude_none=True)
         out["method"] = {"name": self.method.name, **self.method.options()}
+        if self.filters:
+            out["filters"] = [{"name": f.name, **f.options()} for f in self.filters]
         return out
 
     def to_toml(self) -> str:
@@ -465,7 +484,30 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
             f"{source} is invalid:\n{format_validation_error(exc, method.options_model, 'method')}",
             hint=f"method {method.name!r} takes these options: {accepted}",
         ) from None
+    for i, entry in enumerate(cfg.filters):
+        _check_filter(entry, i, method, source)
     return cfg
+
+
+def _check_filter(entry: FilterSettings, index: int, method, source: str) -> None:
+    """A ``[[filters]]`` entry: a known name, options its filter accepts, and a method it can serve."""
+    from edgefl.filters import FILTERS, get_filter
+
+    try:
+        cls = get_filter(entry.name)
+    except KeyError as exc:
+        raise ConfigError(f"{source} is invalid:\n  filters.{index}.name: {exc.args[0]}",
+                          hint="edgefl filters lists them with their options") from None
+    try:
+        options = cls.Options.model_validate(entry.options())
+    except ValidationError as exc:
+        accepted = ", ".join(cls.Options.model_fields) or "none"
+        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, cls.Options, f'filters.{index}')}",
+                          hint=f"filter {entry.name!r} takes these options: {accepted}") from None
+    refusal = cls.refusal(options, method)
+    if refusal:
+        raise ConfigError(f"{source}: filter {entry.name!r} cannot serve this run: {refusal}",
+                          hint=f"drop it from [[filters]] or choose another ({', '.join(sorted(FILTERS))})")
 
 
 def parse_value(text: str) -> Any:

@@ -40,14 +40,17 @@ from edgefl.algorithms import ClientHalf
 from edgefl.config import NetworkSettings
 from edgefl.device_state import DeviceStateStore
 from edgefl.errors import PayloadError
+from edgefl.filters import Filter
 from edgefl.messages import Message, decode, encode
 from edgefl.transport.base import Delivery, DeviceTransport
 from edgefl.transport.chunks import Reassembler, split
 from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
 from edgefl.transport.signing import EVERYONE, Verifier
+from edgefl.transport.topics import is_safe_name
 from edgefl.safetext import printable
 from edgefl.tensorchecks import bounded_problem, nonfinite_problem
 
+FILTER_STATE = "filter."  # prefix of the filters' tensors in a device's saved state
 MAX_SEEN_IDS = 10_000  # signed server message ids remembered to refuse replays
 REFUSALS_LOGGED = 20  # refusals a minute logged one by one; the rest are counted
 
@@ -79,7 +82,8 @@ class _Pending:
 class DeviceLoop:
     def __init__(self, client: ClientHalf, transport: DeviceTransport, federation: str, network: NetworkSettings,
                  x_test: torch.Tensor | None = None, y_test: torch.Tensor | None = None, eval_batch_size: int = 1000,
-                 state: DeviceStateStore | None = None, verifier: Verifier | None = None) -> None:
+                 state: DeviceStateStore | None = None, verifier: Verifier | None = None,
+                 filters: list[Filter] | None = None) -> None:
         self.client = client
         self.device = client.client_id
         self.transport = transport
@@ -105,6 +109,8 @@ class DeviceLoop:
         #: the server's public key: unsigned, misaddressed or wrongly signed server messages are refused
         self.verifier = verifier
         self._seen_signed: OrderedDict[str, None] = OrderedDict()  # ids of signed server messages (replays refused)
+        #: the device side of the configured filter chain: downloads in (reversed), uploads out (in order)
+        self.filters = list(filters or [])
         self.refused = 0  # server messages refused (malformed, unsigned, out of bounds...)
         self._refusal_window = [-math.inf, 0]  # [start of the minute, refusals in it]
 
@@ -135,7 +141,7 @@ class DeviceLoop:
         if saved_run != run:
             log.warning("%s: the saved state is from another run (%s); starting afresh", self.device, saved_run)
             return
-        self.client.load_carry_state(tensors)
+        self._load_state(tensors)
         self.served[round_no] = unpack(upload, self.net.max_message_bytes)
         self.latest_round = max(self.latest_round, round_no)
         self.resumed_from = round_no
@@ -212,6 +218,8 @@ class DeviceLoop:
             self._serve(env)
         elif env.type == "evaluate":
             self._evaluate(env)
+        elif env.type == "stage":
+            self._stage(env)
         elif env.type in ("ack", "nack") and env.reply_to:
             self._answered(env)
         elif env.type == "nack":  # the server could not tell which message it refuses
@@ -240,6 +248,8 @@ class DeviceLoop:
         message = decode(env.body, self.net.max_message_bytes)
         if message.sender != "server":
             raise PayloadError(f"the message inside names sender {printable(message.sender, 64)!r}, not the server")
+        for f in reversed(self.filters):  # the server applied them in order: undo in reverse
+            message = f.download_in(message)
         problem = bounded_problem(message.tensors, self.net.max_abs_value) or self.client.downlink_problem(message)
         if problem:
             raise PayloadError(f"the server's {env.type} for round {env.round} is not one this device can use: {problem}")
@@ -286,7 +296,7 @@ class DeviceLoop:
         for old in [k for k in self.served if k < r - 1]:
             del self.served[old]
         if self.state is not None:  # before sending: a crash after the send resends this very upload
-            self.state.save(r, self.run_id, self.client.carry_state(), pack(upload))
+            self.state.save(r, self.run_id, self._carry(), pack(upload))
         self._send(upload)
 
     def package(self, env: Envelope, message: Message) -> Envelope:
@@ -295,6 +305,8 @@ class DeviceLoop:
             # a new message: what the client half returned stays as it made it
             message = Message(message.kind, message.round, message.sender, message.tensors,
                               {**message.meta, "eval_accuracy": self._accuracy()}, message.message_id)
+        for f in self.filters:
+            message = f.upload_out(message)
         body = encode(message)
         self.last_work = WorkDone(env.round, self.client.last_train_samples, len(body), len(env.body))
         return Envelope("upload", self.federation, env.round, self.device, body, message.message_id,
@@ -318,6 +330,46 @@ class DeviceLoop:
         message = Message("evaluation", env.round, self.device, {}, meta)
         self._send(Envelope("upload", self.federation, env.round, self.device, encode(message), message.message_id,
                             model_version=env.model_version, codec="safetensors", extra={"tensors": {}}))
+
+    def _stage(self, env: Envelope) -> None:
+        """A stage request (:mod:`edgefl.server.stages`): answered by the filter or the client
+        half that owns the stage, as an upload of kind ``stage``."""
+        if env.message_id in self.handled:
+            return
+        info = env.extra.get("info") if isinstance(env.extra.get("info"), dict) else {}
+        name = info.get("stage")
+        if not isinstance(name, str) or not is_safe_name(name):
+            raise PayloadError("a stage request names its stage in info.stage")
+        if env.codec == "safetensors":
+            request = decode(env.body, self.net.max_message_bytes)
+            if request.sender != "server":
+                raise PayloadError(f"the message inside names sender {printable(request.sender, 64)!r}, not the server")
+        else:
+            request = Message("stage", env.round, "server", {}, {})
+        self.handled.add(env.message_id)
+        reply = next((r for r in (f.answer_stage(name, request) for f in self.filters) if r is not None), None)
+        if reply is None:
+            reply = self.client.answer_stage(name, request)
+        if reply is None:
+            raise PayloadError(f"stage {printable(name, 64)!r}: neither this device's method nor its filters answer it")
+        message = Message("stage", env.round, self.device, reply.tensors, {**reply.meta, "stage": name})
+        self._send(Envelope("upload", self.federation, env.round, self.device, encode(message), message.message_id,
+                            model_version=env.model_version, codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)}))
+
+    # --- what survives a crash ------------------------------------------------------------------
+    def _carry(self) -> dict[str, torch.Tensor]:
+        """The client half's carried state and each filter's (prefixed ``filter.<i>.``)."""
+        out = dict(self.client.carry_state())
+        for i, f in enumerate(self.filters):
+            out.update({f"{FILTER_STATE}{i}.{name}": t for name, t in f.carry_state().items()})
+        return out
+
+    def _load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        mine = {k: v for k, v in tensors.items() if not k.startswith(FILTER_STATE)}
+        self.client.load_carry_state(mine)
+        for i, f in enumerate(self.filters):
+            prefix = f"{FILTER_STATE}{i}."
+            f.load_carry_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
 
     def _send(self, upload: Envelope, pieces: list[int] | None = None) -> None:
         known = self.pending.get(upload.message_id)

@@ -56,9 +56,10 @@ MESSAGE_KINDS: dict[str, str] = {
     "head": "weight [C, E] and bias [C] of the shared head",
     "status": "none: a device that trained and shares nothing (local-only); meta: num_samples, train_loss, eval_accuracy",
     "evaluation": "none: a device's answer to an evaluate request; meta: num_samples, eval_accuracy",
+    "stage": "what the stage defines (its request and reply are the stage owner's: a filter or the method); meta: stage",
 }
-#: kinds the runners themselves use, whatever the method (an answer to an ``evaluate`` request)
-RUNNER_KINDS = ("evaluation",)
+#: kinds the runners themselves use, whatever the method (an answer to an ``evaluate`` request or to a stage)
+RUNNER_KINDS = ("evaluation", "stage")
 
 
 @dataclass

@@ -98,6 +98,13 @@ class TaskMethod(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class TaskFilter(_Strict):
+    """One link of the run's filter chain, as the device must run it (``[[filters]]`` of the config)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    options: dict[str, Any] = Field(default_factory=dict, max_length=64)
+
+
 class Task(_Strict):
     """One device's part in a run, as the server sends it (``info.task`` of a ``task`` envelope)."""
 
@@ -116,17 +123,31 @@ class Task(_Strict):
     eval_batch_size: int = Field(1000, ge=1, le=1_000_000)
     threads: int | None = Field(None, ge=1, le=1024)
     compute: Literal["auto", "cpu", "cuda"] = "auto"
+    filters: list[TaskFilter] = Field(default_factory=list, max_length=16, description="the filter chain, in order")
 
     @model_validator(mode="after")
     def _method(self) -> Task:
+        from edgefl.filters import get_filter
         from edgefl.methods import get_method
 
         spec = get_method(self.method.name)  # ConfigError for a method this device does not know
         spec.parse_options(self.method.options)
+        for entry in self.filters:
+            try:
+                cls = get_filter(entry.name)
+            except KeyError as exc:
+                raise ValueError(f"{exc.args[0]}: this device's edgefl does not have it (upgrade it)") from None
+            cls.Options.model_validate(entry.options)
         return self
 
+    def filter_chain(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(f.name, dict(f.options)) for f in self.filters]
+
     def to_info(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        info = self.model_dump(mode="json")
+        if not info["filters"]:
+            del info["filters"]  # a run without filters sends the task devices of earlier versions know
+        return info
 
 
 def parse_task(info: Any) -> Task:

@@ -44,20 +44,10 @@ from edgefl.config import AsyncSettings
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed
 from edgefl.server.methods.base import Receipt
+from edgefl.server.policy import AfterRecord, RoundPolicy
+from edgefl.server.records import Tally, timing_fields
 from edgefl.server.rejections import Rejections
 from edgefl.transport.envelope import Envelope
-
-
-def traffic_fields(bytes_up: dict[str, int], bytes_down: dict[str, int], control: int, train_loss: dict[str, float]) -> dict[str, Any]:
-    """The traffic and loss fields every metrics record carries, synchronous or not."""
-    return {
-        "bytes_up": sum(bytes_up.values()),
-        "bytes_down": sum(bytes_down.values()),
-        "bytes_up_per_client": dict(sorted(bytes_up.items())),
-        "bytes_down_per_client": dict(sorted(bytes_down.items())),
-        "bytes_control": control,
-        "train_loss": dict(sorted(train_loss.items())),
-    }
 
 
 def staleness_discount(staleness: int, exponent: float) -> float:
@@ -158,37 +148,30 @@ class Ticket:
     number: int  # the envelope's round: unique in the run
     version: int  # the server version it carries
     start: tuple[str, int]  # the aggregator's key of the weights it carries
-    sent: float  # transport clock
+    sent: float  # run clock
     envelope: Envelope
 
 
 @dataclass
 class Window:
-    """What happened since the last record."""
+    """What happened since the last record (the traffic and refusals in its tally)."""
 
-    accepted: Counter[str] = field(default_factory=Counter)
+    tally: Tally = field(default_factory=Tally)
     staleness: list[int] = field(default_factory=list)
     refused_stale: int = 0
-    late: list[str] = field(default_factory=list)
-    rejected: Rejections = field(default_factory=Rejections)
-    bytes_up: Counter[str] = field(default_factory=Counter)
-    bytes_down: Counter[str] = field(default_factory=Counter)
-    bytes_control: int = 0
-    train_loss: dict[str, float] = field(default_factory=dict)
     updates_from: int = 0
-    wall0: float = field(default_factory=time.perf_counter)
 
 
-class AsyncLoop:
-    """Plays an asynchronous run with an :class:`~edgefl.server.orchestrator.Orchestrator`'s
-    transport, checks and replies."""
+class AsyncUpdates(RoundPolicy):
+    """Plays an asynchronous run over the endpoint (see the module docstring)."""
 
-    def __init__(self, orchestrator: Any) -> None:  # the Orchestrator (not imported: it imports this module)
-        self.o = orchestrator
-        cfg = orchestrator.cfg
-        self.settings = cfg.asynchronous
-        weight_method = "weights" in orchestrator.spec.uploads
-        self.aggregator = AsyncAggregator(orchestrator.server, self.settings, weight_method, len(orchestrator.device_ids))
+    mode_info = {"mode": "async"}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = self.cfg.asynchronous
+        weight_method = "weights" in self.spec.uploads
+        self.aggregator = AsyncAggregator(self.server, self.settings, weight_method, len(self.endpoint.device_ids))
         self.tickets: dict[str, Ticket] = {}
         self.answered: dict[str, deque[tuple[str, str, dict[str, Any]]]] = {}  # device -> (upload id, kind, fields)
         self.counter = 0  # downloads handed out
@@ -202,8 +185,14 @@ class AsyncLoop:
     def version(self) -> int:
         return self.aggregator.version
 
-    def clock(self) -> float:
-        return self.o.transport.now() - self.started
+    def elapsed(self) -> float:
+        return self.clock.now() - self.started
+
+    def needed_to_start(self) -> int:
+        return 1  # an asynchronous run starts with the first device: the others join when they come
+
+    def rejections_now(self) -> Rejections | None:
+        return self.window.tally.rejected
 
     # --- handing out work ---------------------------------------------------------------------
     def fill(self) -> None:
@@ -211,39 +200,36 @@ class AsyncLoop:
         if self.stopping or not self._dirty:
             return
         self._dirty = False
-        o = self.o
-        working = sum(1 for d in self.tickets if o.online.get(d))
-        limit = self.settings.concurrency or len(o.device_ids)
-        free = [d for d in o.device_ids if d not in self.tickets and o.can_take_part(d)]
+        ep = self.endpoint
+        working = sum(1 for d in self.tickets if ep.is_online(d))
+        limit = self.settings.concurrency or len(ep.device_ids)
+        free = [d for d in ep.device_ids if d not in self.tickets and ep.can_take_part(d)]
         slots = limit - working
         if slots <= 0 or not free:
             return
         if slots < len(free):
-            rng = np.random.default_rng(derive_seed(o.cfg.seed, "async-pick", self.counter))
+            rng = np.random.default_rng(derive_seed(self.cfg.seed, "async-pick", self.counter))
             free = sorted(rng.choice(free, slots, replace=False).tolist())
         for device in free:
             self.dispatch(device)
 
     def dispatch(self, device: str) -> None:
-        o = self.o
+        ep = self.endpoint
         self.counter += 1
         number = self.counter
-        info: dict[str, Any] = {"run": o.run_id, "mode": "async", "version": self.version}
-        if o.evaluator.devices_report(o.server) and (self.settings.device_accuracy == "every_report" or device not in self.asked):
+        info: dict[str, Any] = {"run": ep.run_id, "mode": "async", "version": self.version}
+        if self.evaluator.devices_report(self.server) and (self.settings.device_accuracy == "every_report" or device not in self.asked):
             info["evaluate"] = True  # its report carries its accuracy (the run is judged by them)
             self.asked.add(device)
         start = self.aggregator.handed_out(device)  # before sending: the weights this download carries
-        env, body_bytes, sent = o.send_download(device, number, {"info": info})
-        self.tickets[device] = Ticket(number, self.version, start, o.transport.now(), env)
-        if body_bytes is not None:
-            self.window.bytes_down[device] += body_bytes
-        else:
-            self.window.bytes_control += sent
+        env, body_bytes, sent = ep.send_download(device, number, self.server.downlink(number, device), {"info": info})
+        self.tickets[device] = Ticket(number, self.version, start, self.clock.now(), env)
+        self.window.tally.download(device, body_bytes, sent)
 
-    def presence(self, device: str, online: bool, was: bool) -> None:
+    def on_presence(self, device: str, online: bool, was: bool) -> None:
         if online and not was and device in self.tickets and not self.stopping:
             # back after a drop: it may have missed its download (a second copy is ignored)
-            self.o._send(device, self.tickets[device].envelope)
+            self.endpoint.send(device, self.tickets[device].envelope)
         self._dirty = True
 
     def _end_ticket(self, device: str) -> None:
@@ -254,25 +240,25 @@ class AsyncLoop:
     # --- reports ------------------------------------------------------------------------------
     def _answer(self, device: str, env: Envelope, upload_id: str, kind: str, **fields: Any) -> None:
         if kind == "nack":
-            self.o._reject(device, env, fields["reason"])
+            self.endpoint.refuse(device, env, fields["reason"])
         else:
-            self.o._reply(device, env, "ack", **fields)
+            self.endpoint.reply(device, env, "ack", **fields)
         self.answered.setdefault(device, deque(maxlen=4)).append((upload_id, kind, fields))
 
-    def upload(self, device: str, env: Envelope, message: Message, size: int, facts: dict[str, Any]) -> None:
+    def on_upload(self, device: str, env: Envelope, message: Message, size: int, facts: dict[str, Any]) -> None:
         """One decoded, checked upload (not an evaluation answer)."""
-        o = self.o
+        ep = self.endpoint
         ticket = self.tickets.get(device)
         if ticket is None or message.round != ticket.number:
             for upload_id, kind, fields in self.answered.get(device, ()):
                 if upload_id == message.message_id:  # a resend: the same answer again
                     if kind == "nack":
-                        o._reject(device, env, fields["reason"])
+                        ep.refuse(device, env, fields["reason"])
                     else:
-                        o._reply(device, env, "ack", **{**fields, "status": "duplicate"})
+                        ep.reply(device, env, "ack", **{**fields, "status": "duplicate"})
                     return
             current = f"download {ticket.number}" if ticket is not None else "no download"
-            o._reject(device, env, f"download {message.round} is not {device}'s current work ({current} outstanding); not used")
+            ep.refuse(device, env, f"download {message.round} is not {device}'s current work ({current} outstanding); not used")
             return
         staleness = self.version - ticket.version
         bound = self.settings.staleness_bound
@@ -282,13 +268,14 @@ class AsyncLoop:
             self._answer(device, env, message.message_id, "nack",
                          reason=f"stale: trained from server version {ticket.version}, now {self.version} ({staleness} updates > "
                                 f"staleness_bound {bound}); not used, the next download carries the newest")
-            o.on_event("stale", {"device": device, "staleness": staleness})
+            self.on_event("stale", {"device": device, "staleness": staleness})
             return
         try:
             receipt = self.aggregator.add(message, ticket.start, staleness)
         except Exception as exc:  # a method's check that raised instead of answering: still a refusal
             receipt = Receipt("rejected", f"server could not use the upload: {type(exc).__name__}: {exc}")
         self._end_ticket(device)
+        ep.model_version = self.version
         if receipt.status == "rejected":
             self._answer(device, env, message.message_id, "nack", reason=receipt.reason)
             return
@@ -297,62 +284,53 @@ class AsyncLoop:
             fields["reason"] = receipt.reason
         self._answer(device, env, message.message_id, "ack", **fields)
         if message.meta.get("eval_accuracy") is not None:
-            o.evaluator.device_reported(device, message.meta["eval_accuracy"])
+            self.evaluator.device_reported(device, message.meta["eval_accuracy"])
         w = self.window
         if receipt.status != "accepted":
-            w.late.append(device)
+            w.tally.late.append(device)
             return
-        w.accepted[device] += 1
         w.staleness.append(staleness)
-        if message.tensors:
-            w.bytes_up[device] += len(env.body)
-        else:
-            w.bytes_control += size
-        if message.meta.get("train_loss") is not None:
-            w.train_loss[device] = round(float(message.meta["train_loss"]), 6)
-        o.on_event("update", {"device": device, "version": self.version, "staleness": staleness})
+        w.tally.upload(device, env, message, size, accepted=True)
+        self.on_event("update", {"device": device, "version": self.version, "staleness": staleness})
 
     # --- records --------------------------------------------------------------------------------
     def record(self) -> dict[str, Any]:
         """The metrics record of the updates since the last one, with the run judged now."""
-        o, w = self.o, self.window
-        version, clock_s = self.version, self.clock()  # reports answered while judging are counted in this record
-        train_s = time.perf_counter() - w.wall0
-        o.on_event("evaluating", {"round": version})
+        w = self.window
+        version, clock_s = self.version, self.elapsed()  # reports answered while judging are counted in this record
+        train_s = time.perf_counter() - w.tally.wall0
+        self.on_event("evaluating", {"round": version})
         t1 = time.perf_counter()
-        if self.settings.device_accuracy == "at_records" and o.evaluator.devices_report(o.server):
+        if self.settings.device_accuracy == "at_records" and self.evaluator.devices_report(self.server):
             self._ask_idle()
-        accuracy = o.evaluate(self.version)
+        accuracy = self.evaluate(self.version)
         eval_s = time.perf_counter() - t1
+        accepted = w.tally.accepted
         by_profile: Counter[str] = Counter()
-        for device, n in w.accepted.items():
-            by_profile[o.profiles.get(device, "-")] += n
+        for device, n in accepted.items():
+            by_profile[self.profiles.get(device, "-")] += n
         record = {
             "round": version,
             "mode": "async",
             "outcome": "async",
             "updates": version - w.updates_from,
             "clock_s": round(clock_s, 4),
-            "virtual_clock": bool(o.transport.virtual_clock),
+            "virtual_clock": bool(self.clock.virtual),
             "downloads": self.counter,
             "in_flight": len(self.tickets),
-            "reports": sum(w.accepted.values()),
-            "reports_per_client": dict(sorted(w.accepted.items())),
+            "reports": sum(accepted.values()),
+            "reports_per_client": dict(sorted(accepted.items())),
             "reports_by_profile": dict(sorted(by_profile.items())),
             "staleness": {"mean": round(statistics.fmean(w.staleness), 3), "max": max(w.staleness)} if w.staleness else None,
             "refused_stale": w.refused_stale,
             "selected": [],
-            "reported": sorted(w.accepted),
+            "reported": sorted(accepted),
             "missing": [],
-            "late": w.late,
-            "rejected": w.rejected.summary(),
             "receipts": {},
-            **traffic_fields(w.bytes_up, w.bytes_down, w.bytes_control, w.train_loss),
+            **w.tally.fields(),
             "accuracy": accuracy,
             "server": self.aggregator.last_facts,
-            "round_time_s": round(train_s + eval_s, 4),
-            "train_time_s": round(train_s, 4),
-            "eval_time_s": round(eval_s, 4),
+            **timing_fields(train_s, eval_s, train_s + eval_s),
         }
         self.window = Window(updates_from=version)
         self.asked = set()
@@ -362,19 +340,19 @@ class AsyncLoop:
     def _ask_idle(self) -> None:
         """Ask every idle online device for the accuracy of its model now (an ``evaluate`` with
         no body: nothing is loaded); answers count as its latest reported accuracy."""
-        o = self.o
-        idle = [d for d in o.device_ids if d not in self.tickets and o.can_take_part(d) and d in o.evaluator.judged]
+        ep = self.endpoint
+        idle = [d for d in ep.device_ids if d not in self.tickets and ep.can_take_part(d) and d in self.evaluator.judged]
         if not idle:
             return
-        for device, accuracy in o._ask_devices(self.version, idle, with_model=False).items():
-            o.evaluator.device_reported(device, accuracy)
+        for device, accuracy in self.ask_devices(self.version, idle, with_model=False).items():
+            self.evaluator.device_reported(device, accuracy)
 
     # --- the whole run --------------------------------------------------------------------------
-    def run(self, after_record: Callable[[dict[str, Any]], None] | None, should_stop: Callable[[], bool]) -> bool:
+    def play(self, first_round: int, after_record: AfterRecord | None, should_stop: Callable[[], bool]) -> bool:
         """Play until ``rounds`` updates or the time budget; True when it ran to its end (False:
-        stopped by ``should_stop``)."""
-        o, cfg, settings = self.o, self.o.cfg, self.settings
-        self.started = o.transport.now()
+        stopped by ``should_stop``). ``first_round`` is 1: an asynchronous run is not resumed."""
+        cfg, settings, ep = self.cfg, self.settings, self.endpoint
+        self.started = self.clock.now()
         budget = settings.time_budget_s
         every_s = settings.eval_every_s
         next_version = cfg.eval.every
@@ -386,38 +364,38 @@ class AsyncLoop:
             nonlocal recorded
             record = self.record()
             recorded = record["round"]
-            o.history.append(record)
-            o.on_event("closed", record)
+            self.history.append(record)
+            self.on_event("closed", record)
             if after_record is not None:
                 after_record(record)
 
         self.fill()
         while self.version < cfg.rounds:
-            elapsed = self.clock()
+            elapsed = self.elapsed()
             if budget is not None and elapsed >= budget:
                 break
             if should_stop():
-                o.on_event("stopped", {"after_round": self.version})
+                self.on_event("stopped", {"after_round": self.version})
                 finished = False
                 break
-            if o.transport.virtual_clock and not self.tickets and not any(o.online.get(d) for d in o.device_ids):
-                o.on_event("all_offline", {"round": self.version})
+            if self.clock.virtual and not self.tickets and not any(ep.is_online(d) for d in ep.device_ids):
+                self.on_event("all_offline", {"round": self.version})
                 break
             wait = 1.0 if budget is None else min(1.0, budget - elapsed)
             if every_s is not None:
                 wait = min(wait, max(next_time - elapsed, 0.0))
-            o._pump(max(wait, 0.0))
+            ep.pump(max(wait, 0.0))
             if every_s is None and self.version >= next_version:
                 while next_version <= self.version:
                     next_version += cfg.eval.every
                 emit()
-            elif every_s is not None and self.clock() >= next_time:
-                while next_time <= self.clock():
+            elif every_s is not None and self.elapsed() >= next_time:
+                while next_time <= self.elapsed():
                     next_time += every_s
                 emit()
             self.fill()  # after a record: its evaluation asks idle devices before they get new work
         self.stopping = True
-        o.last_round = self.version
+        self.last_round = self.version
         if finished and recorded != self.version:
             emit()  # the end is always judged
         return finished

@@ -22,7 +22,7 @@ from typing import Any
 
 from edgefl.build import DeviceSlot, RunParts, group_budgets
 from edgefl.config import RunConfig
-from edgefl.task import Task, TaskData, TaskMethod, TaskModel
+from edgefl.task import Task, TaskData, TaskFilter, TaskMethod, TaskModel
 
 #: what a device may report in ``ready`` (bounded: it comes over the network)
 MAX_SAMPLES = 1 << 40
@@ -51,6 +51,7 @@ def task_for(cfg: RunConfig, parts: RunParts, slot: DeviceSlot, run_id: str, fed
         model=TaskModel(name=slot.model, options=dict(slot.model_options), arch=slot.arch),
         data=data_spec_of(cfg, parts, slot), train=cfg.train_for(slot.group), network=cfg.network,
         eval_batch_size=cfg.eval.batch_size, threads=cfg.threads, compute=cfg.device,
+        filters=[TaskFilter(name=name, options=options) for name, options in cfg.filter_chain()],
     )
 
 

@@ -28,7 +28,12 @@ from edgefl.server.enrolment import Enrolment
 from edgefl.server.evaluation import Evaluator
 from edgefl.server.live import LiveState
 from edgefl.server.methods import ClientInfo
-from edgefl.server.orchestrator import EventSink, Orchestrator
+from edgefl.filters import Filter, build_chain
+from edgefl.server.asynchronous import AsyncUpdates
+from edgefl.server.clock import RunClock, TransportClock
+from edgefl.server.endpoint import EventSink, ServerEndpoint
+from edgefl.server.policy import RoundPolicy
+from edgefl.server.rounds import SyncRounds
 from edgefl.server.shipping import safe_name, write_ship_plan
 from edgefl.server.state import load_state, save_state
 from edgefl.tracking import Trackers
@@ -48,7 +53,9 @@ def config_digest(cfg: RunConfig) -> str:
 class RunSession:
     def __init__(self, parts: RunParts, transport: ServerTransport | None, federation: str, *, runner: str,
                  run_dir: RunDir | None = None, deadline_s: float, on_event: EventSink | None = None,
-                 save_state_each_round: bool = False, start_facts: dict[str, Any] | None = None) -> None:
+                 save_state_each_round: bool = False, start_facts: dict[str, Any] | None = None,
+                 clock: RunClock | None = None) -> None:
+        """``clock``: the run's clock (the simulation's virtual one); None: the transport's."""
         cfg = parts.cfg
         self.cfg, self.parts, self.run_dir = cfg, parts, run_dir
         self.spec = get_method(cfg.method.name)
@@ -66,9 +73,18 @@ class RunSession:
             facts = {s.client_id: {"arch": s.arch, "profile": s.profile.id if s.profile else None,
                                    "judged": s.client_id in judged, "samples": int(len(s.sample_indices))} for s in parts.slots}
             self.live = LiveState(run_dir.path, facts, cfg.rounds, lambda n: cfg.network.quorum_count(cfg.fleet.target(n)), runner)
-        self.orchestrator = Orchestrator(cfg, self.spec, self.server, transport, parts.device_ids, federation, self.evaluator,
-                                         deadline_s=deadline_s, profiles=profiles, on_event=self._events(on_event),
-                                         enrolment=self.enrolment)
+        events = self._events(on_event)
+        self.filters: list[Filter] = build_chain(cfg.filter_chain(), "server", cfg.seed)
+        # a partial upload that is not complete by its round's deadline cannot count in that round: dropped then (without
+        # rounds, an asynchronous run keeps it as long as the stale nacks would); network.partial_max_age_s overrides both
+        net = cfg.network
+        age = net.partial_max_age_s or (max(deadline_s, net.stale_upload_s) if cfg.mode == "sync" else net.partial_age_limit_s())
+        self.endpoint = ServerEndpoint(net, self.spec, transport, parts.device_ids, federation,
+                                       num_classes=getattr(self.server, "num_classes", None), max_epochs=cfg.max_epochs(),
+                                       partial_max_age_s=age, filters=self.filters, on_event=events, enrolment=self.enrolment)
+        self.policy: RoundPolicy = make_policy(cfg, self.spec, self.server, self.endpoint, self.evaluator,
+                                               clock or _LateTransportClock(self.endpoint), deadline_s=deadline_s, profiles=profiles,
+                                               on_event=events, stages=[s for f in self.filters for s in f.server_stages()] + self.server.stages())
         self.start = self._start_record(runner, federation, start_facts or {})
         self.trackers = Trackers(cfg, None)  # opened when the rounds start (run)
         #: each device's weights, where this process holds them (a simulation sets it): what ship.json picks from
@@ -91,9 +107,10 @@ class RunSession:
             "name": cfg.name, "method": cfg.method.name, "seed": cfg.seed, "runner": runner, "federation": federation,
             "dataset": {"name": ds.name, "source": ds.source, "files": list(ds.files), "train": len(ds.y_train),
                         "test_used": len(self.parts.y_test)},
-            "versions": package_versions(), "machine": machine(), "deadline_s": self.orchestrator.deadline_s,
+            "versions": package_versions(), "machine": machine(), "deadline_s": self.policy.deadline_s,
             "compute_device": str(resolve_device(cfg.device)),  # where this process's halves compute
             "device_profiles": {s.profile.id: s.profile.to_dict() for s in self.parts.slots if s.profile is not None},
+            **({"filters": [f.describe() for f in self.filters]} if self.filters else {}),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts,
         }
 
@@ -142,11 +159,13 @@ class RunSession:
         if len(lines) != len(history):  # a round recorded after the state was saved: rewrite without it
             metrics.write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in history))
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
-        self.orchestrator.history = history
-        self.orchestrator.last_round = done
-        self.orchestrator.accept_early = True  # uploads devices queued while the server was down
+        policy = self.policy
+        assert isinstance(policy, SyncRounds)  # an asynchronous run is refused above
+        policy.history = history
+        policy.last_round = self.endpoint.model_version = done
+        policy.accept_early = True  # uploads devices queued while the server was down
         if isinstance(extra.get("run_id"), str):
-            self.orchestrator.run_id = extra["run_id"]
+            self.endpoint.run_id = extra["run_id"]
         if self.enrolment is not None:
             self.enrolment.restore(extra.get("enrolled"))
         return done + 1
@@ -161,7 +180,7 @@ class RunSession:
         if self.save_state_each_round and self.cfg.mode == "sync":
             # after every round, so a restarted server resumes where this one stopped
             save_state(self.server, self.run_dir.path / STATE_FILE,
-                       {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.orchestrator.run_id,
+                       {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
                         "device_accuracy": self.evaluator.device_accuracy,
                         **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})})
 
@@ -176,7 +195,7 @@ class RunSession:
 
         self.trackers = Trackers(self.cfg, self.run_dir.path if self.run_dir else None)
         try:
-            self.orchestrator.run(first_round, after, should_stop)
+            self.policy.run(first_round, after, should_stop)
         except KeyboardInterrupt:
             self.finish(interrupted=True)
             raise
@@ -187,11 +206,11 @@ class RunSession:
             except Exception:
                 log.exception("could not write the run's results either")
             raise
-        return self.finish(interrupted=self.orchestrator.stopped_early)
+        return self.finish(interrupted=self.policy.stopped_early)
 
     # --- end ------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        history = self.orchestrator.history
+        history = self.policy.history
         evaluated = [h for h in history if h["accuracy"] is not None and h["accuracy"]["overall"] is not None]
         virtual = [h.get("round_virtual_s") for h in history if h.get("round_virtual_s") is not None]
         return {
@@ -200,7 +219,7 @@ class RunSession:
             "final_accuracy": evaluated[-1]["accuracy"] if evaluated else None,
             "best_overall_accuracy": max((h["accuracy"]["overall"] for h in evaluated), default=None),
             "failed_rounds": [h["round"] for h in history if h["outcome"] == "failed"],
-            "rejections": self.orchestrator.rejections.summary(),
+            "rejections": self.endpoint.rejections.summary(),
             "bytes_up_total": sum(h["bytes_up"] for h in history),
             "bytes_down_total": sum(h["bytes_down"] for h in history),
             "stragglers_total": sum(len(h.get("stragglers", [])) for h in history),
@@ -212,7 +231,7 @@ class RunSession:
     def finish(self, interrupted: bool = False) -> dict[str, Any]:
         """The run's end, also after an interruption: models, summary, plots, trackers closed."""
         summary = self.summary()
-        summary["rounds_played"] = len(self.orchestrator.history)
+        summary["rounds_played"] = len(self.policy.history)
         summary["interrupted"] = interrupted
         if self.run_dir is not None:
             save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
@@ -232,6 +251,30 @@ class RunSession:
         if self.live is not None:
             self.live.finish(interrupted)
         return summary
+
+
+class _LateTransportClock(TransportClock):
+    """The transport's clock for a server that connects after it is built (``edgefl server``
+    restores its state first)."""
+
+    def __init__(self, endpoint: ServerEndpoint) -> None:
+        self.endpoint = endpoint
+
+    def now(self) -> float:
+        return self.endpoint.transport.now()
+
+
+def make_policy(cfg: RunConfig, spec, server, endpoint: ServerEndpoint, evaluator: Evaluator, clock: RunClock, *,
+                deadline_s: float, profiles: dict[str, str], on_event: EventSink, stages: list) -> RoundPolicy:
+    """The round policy of ``cfg.mode``: synchronous rounds (with their stages), or asynchronous updates."""
+    if cfg.mode == "async":
+        if stages:
+            names = ", ".join(sorted({s.name for s in stages}))
+            raise ConfigError(f"stages ({names}) run within a round: an asynchronous run has none",
+                              hint='use mode = "sync" with this filter or method')
+        return AsyncUpdates(cfg, spec, server, endpoint, evaluator, clock, deadline_s=deadline_s, profiles=profiles, on_event=on_event)
+    return SyncRounds(cfg, spec, server, endpoint, evaluator, clock, deadline_s=deadline_s, profiles=profiles, on_event=on_event,
+                      stages=stages)
 
 
 def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):

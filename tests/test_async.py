@@ -257,9 +257,9 @@ def test_uploads_that_are_not_a_device_s_current_work_are_refused_and_a_resend_g
     from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
 
     sim = Simulation(async_config("fedhe", rounds=3), show_progress=False)
-    orch = sim.session.orchestrator
-    orch.wait_for_devices(1.0)
-    loop = orch.async_loop
+    orch = sim.session.endpoint
+    loop = sim.session.policy
+    loop.wait_for_devices(1.0)
     sent: list[tuple[str, Envelope]] = []
     real_send = sim.network.send
     sim.network.send = lambda device, data: (sent.append((device, unpack(data, 1 << 20))), real_send(device, data))[1]

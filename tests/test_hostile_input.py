@@ -17,7 +17,7 @@ from edgefl.config import validate_config
 from edgefl.errors import PayloadError
 from edgefl.messages import Message, decode, encode
 from edgefl.safejson import loads
-from edgefl.server.orchestrator import RoundState
+from edgefl.server.rounds import RoundState
 from edgefl.sim import Simulation
 from edgefl.transport.base import Delivery
 from edgefl.transport.chunks import Reassembler
@@ -103,11 +103,11 @@ def sim() -> Simulation:
 
 def open_round(sim: Simulation) -> RoundState:
     """Round 2 open and waiting for every device, as when uploads arrive in a fleet."""
-    orchestrator = sim.session.orchestrator
-    now = orchestrator.transport.now()
-    orchestrator.state = RoundState(2, list(orchestrator.device_ids), now, now + 100)
-    orchestrator.server.begin_round(2)
-    return orchestrator.state
+    policy = sim.session.policy
+    now = policy.clock.now()
+    policy.state = RoundState(2, list(policy.endpoint.device_ids), now, now + 100)
+    policy.server.begin_round(2)
+    return policy.state
 
 
 def replies(sim: Simulation, device: str = "client-0") -> list[Envelope]:
@@ -128,7 +128,7 @@ def upload(message: Message, **changes) -> bytes:
 def refusal(sim: Simulation, payload: bytes, device: str = "client-0") -> str:
     open_round(sim)
     replies(sim, device)
-    sim.session.orchestrator.handle(Delivery("message", device, payload))
+    sim.session.endpoint.handle(Delivery("message", device, payload))
     (reply,) = replies(sim, device)
     assert reply.type == "nack", reply
     return reply.extra["reason"]
@@ -157,7 +157,7 @@ def test_device_numbers_out_of_range_are_refused(sim, meta, reason):
 def test_a_whole_number_accuracy_is_a_number_like_any_other(sim):
     open_round(sim)
     replies(sim)
-    sim.session.orchestrator.handle(Delivery("message", "client-0", upload(weights(sim, eval_accuracy=1))))
+    sim.session.endpoint.handle(Delivery("message", "client-0", upload(weights(sim, eval_accuracy=1))))
     (reply,) = replies(sim)
     assert (reply.type, reply.extra.get("status")) == ("ack", "accepted")
 
@@ -172,15 +172,15 @@ def test_an_upload_for_a_round_that_has_not_started_is_refused_and_does_not_take
     ahead = weights(sim)
     ahead.round = 3
     assert "round 3 has not started" in refusal(sim, upload(ahead))
-    assert sim.session.orchestrator.early == {}
+    assert sim.session.policy.early == {}
 
 
 def test_a_stranger_gets_a_nack_on_its_own_topic(sim):
-    orchestrator = sim.session.orchestrator
+    endpoint = sim.session.endpoint
     sim.network._inbox["client-77"] = []  # the stranger's down topic, as the broker would hold it
     try:
-        orchestrator.handle(Delivery("message", "client-77", b"anything"))
-        orchestrator.handle(Delivery("message", "client-77", b"again"))  # rate-limited: one nack
+        endpoint.handle(Delivery("message", "client-77", b"anything"))
+        endpoint.handle(Delivery("message", "client-77", b"again"))  # rate-limited: one nack
         (reply,) = replies(sim, "client-77")
         assert reply.type == "nack" and "not in this federation's config" in reply.extra["reason"]
     finally:
@@ -190,16 +190,16 @@ def test_a_stranger_gets_a_nack_on_its_own_topic(sim):
 def test_a_retained_upload_is_discarded_without_an_answer(sim):
     open_round(sim)
     replies(sim)
-    before = len(sim.session.orchestrator.rejections)
-    sim.session.orchestrator.handle(Delivery("message", "client-0", upload(weights(sim)), retained=True))
-    assert replies(sim) == [] and len(sim.session.orchestrator.rejections) == before + 1
-    assert "retained" in sim.session.orchestrator.rejections[-1][1]
+    before = len(sim.session.endpoint.rejections)
+    sim.session.endpoint.handle(Delivery("message", "client-0", upload(weights(sim)), retained=True))
+    assert replies(sim) == [] and len(sim.session.endpoint.rejections) == before + 1
+    assert "retained" in sim.session.endpoint.rejections[-1][1]
 
 
 def test_refusals_are_kept_as_bounded_counts(sim):
     st = open_round(sim)
     for i in range(3000):
-        sim.session.orchestrator.handle(Delivery("message", "client-1", f"junk {i}".encode()))
+        sim.session.endpoint.handle(Delivery("message", "client-1", f"junk {i}".encode()))
     replies(sim, "client-1")
     summary = st.rejected.summary()
     assert summary["count"] == 3000
@@ -298,7 +298,7 @@ def test_the_reassembler_raises_only_payload_error_and_never_holds_more_than_dec
 def test_the_round_loop_never_raises_and_answers_its_own_devices(sim, printed, payload, device, retained):
     st_ = open_round(sim)
     sim.network._inbox.setdefault("client-0", []).clear()
-    sim.session.orchestrator.handle(Delivery("message", device, payload, retained=retained))
+    sim.session.endpoint.handle(Delivery("message", device, payload, retained=retained))
     if device == "client-0" and not retained:
         answers = replies(sim)
         assert answers and answers[-1].type in ("nack", "ack")
@@ -342,10 +342,10 @@ def printed(sim):
             failures.append(exc)
             raise
 
-    orchestrator = sim.session.orchestrator
-    before, orchestrator.on_event = orchestrator.on_event, on_event
+    endpoint, policy = sim.session.endpoint, sim.session.policy
+    before, endpoint.on_event, policy.on_event = endpoint.on_event, on_event, on_event
     yield buffer, failures
-    orchestrator.on_event = before
+    endpoint.on_event = policy.on_event = before
 
 
 def assert_printed_safely(buffer, failures: list[Exception]) -> str:
@@ -369,7 +369,7 @@ def test_a_hostile_tensor_name_is_refused_and_printed_escaped(sim, printed, name
 @pytest.mark.parametrize("device", ["client[/]", "client-0\n[/]", "[bold]client", "client-0\x1b[2J"])
 def test_a_hostile_device_id_is_counted_and_printed_escaped(sim, printed, device):
     open_round(sim)
-    sim.session.orchestrator.handle(Delivery("message", device, b"anything"))
+    sim.session.endpoint.handle(Delivery("message", device, b"anything"))
     text = assert_printed_safely(*printed)
     assert "is not in this federation's config" in text
 
@@ -379,16 +379,16 @@ def test_a_stale_partial_with_a_hostile_upload_id_reaches_the_console_escaped(si
     """The attack of issue 33: one chunk whose upload id is "[/]", left to go stale, made the
     round loop's pump raise MarkupError and ended the server."""
     open_round(sim)
-    orchestrator = sim.session.orchestrator
-    monkeypatch.setattr(orchestrator, "reassembler", Reassembler(LIMIT))  # only this test's partial goes stale
-    monkeypatch.setattr(orchestrator.transport, "receive", lambda timeout_s: None)  # the pump's stale check alone, devices idle
+    endpoint = sim.session.endpoint
+    monkeypatch.setattr(endpoint, "reassembler", Reassembler(LIMIT))  # only this test's partial goes stale
+    monkeypatch.setattr(endpoint.transport, "receive", lambda timeout_s: None)  # the pump's stale check alone, devices idle
     chunk = Envelope("chunk", "test-fedavg", 2, "client-0", b"z" * 4096, codec="none", model_version=2,
                      extra={"chunk": {"upload_id": upload_id, "seq": 0, "count": 2, "total_length": 8192, "total_sha256": "0" * 64}})
-    orchestrator.handle(Delivery("message", "client-0", pack(chunk)))
-    part = orchestrator.reassembler.partial[("client-0", upload_id)]
-    part.touched -= orchestrator.reassembler.stale_s + 1
+    endpoint.handle(Delivery("message", "client-0", pack(chunk)))
+    part = endpoint.reassembler.partial[("client-0", upload_id)]
+    part.touched -= endpoint.reassembler.stale_s + 1
     replies(sim)
-    orchestrator._pump(0)  # raised MarkupError before
+    endpoint.pump(0)  # raised MarkupError before
     (nack,) = replies(sim)
     assert nack.type == "nack" and nack.reply_to == upload_id and nack.extra["missing"] == [1]
     assert "\n" not in nack.extra["reason"]

@@ -5,6 +5,7 @@ server package."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,9 +97,37 @@ def test_the_fleet_imports_nothing_from_the_simulation_and_devices_nothing_from_
         if module.startswith("edgefl.fleet"):
             assert not any(t.startswith("edgefl.sim") for t in targets), module
     device_side = ["edgefl.device", "edgefl.build", "edgefl.methods", "edgefl.config"]
-    device_side += [m for m in edges if m.startswith(("edgefl.transport", "edgefl.algorithms"))]
+    device_side += [m for m in edges if m.startswith(("edgefl.transport", "edgefl.algorithms", "edgefl.filters"))]
     for module in device_side:
         assert not any(t.startswith("edgefl.server") for t in edges.get(module, ())), module
+
+
+#: the round policies: they play over the endpoint's public API
+POLICIES = ("edgefl.server.policy", "edgefl.server.rounds", "edgefl.server.asynchronous")
+
+
+def test_policies_import_the_endpoint_and_the_endpoint_imports_no_policy():
+    """The server's layers: transport <- endpoint (protocol: checks, reassembly, acks, presence,
+    exchanges) <- round policies (sync rounds with stages, async updates) <- session. The
+    endpoint and the transport know no policy; a policy knows no transport class (it is handed a
+    clock and the endpoint) and calls nothing private of another module."""
+    edges = _imports(_modules())
+    below_policies = ["edgefl.server.endpoint", "edgefl.server.stages", "edgefl.server.clock", "edgefl.server.records"]
+    below_policies += [m for m in edges if m.startswith(("edgefl.transport", "edgefl.filters"))]
+    for module in below_policies:
+        assert not any(t in POLICIES or t == "edgefl.server.session" for t in edges.get(module, ())), module
+    for policy in POLICIES:
+        assert "edgefl.server.endpoint" in edges[policy] or "edgefl.server.policy" in edges[policy], policy
+        assert not any(t.startswith(("edgefl.transport.mqtt", "edgefl.sim", "edgefl.fleet")) for t in edges[policy]), policy
+
+
+def test_no_module_calls_a_private_method_of_another_object_of_the_server():
+    """``other._name(...)`` across objects is how the old orchestrator and its asynchronous loop
+    were tied together; the server's modules call only public methods of what they hold."""
+    private_call = re.compile(r"\b(?!self\b|cls\b)[a-z_][a-z0-9_]*\._[a-z][a-z0-9_]*\(")
+    offenders = [f"{path.name}: {m.group(0)}" for path in (ROOT / "server").rglob("*.py")
+                 for m in private_call.finditer(path.read_text())]
+    assert offenders == []
 
 
 def test_the_walk_sees_a_cycle_when_there_is_one():

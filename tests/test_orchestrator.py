@@ -1,5 +1,5 @@
 """The round loop without a broker: the in-memory network is a transport like MQTT's, so the
-orchestrator's refusals can be tested by handing it envelopes directly."""
+endpoint's refusals can be tested by handing it envelopes directly."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def fedavg() -> Simulation:
 
 def _send(sim: Simulation, message: Message) -> str:
     """Hand ``message`` to the round loop as client-0's upload; the reason of its refusal."""
-    orchestrator = sim.session.orchestrator
+    orchestrator = sim.session.endpoint
     env = Envelope("upload", orchestrator.federation, message.round, message.sender, encode(message), message.message_id,
                    model_version=message.round, codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)})
     before = len(orchestrator.rejections)
@@ -61,7 +61,7 @@ def test_an_evaluation_nobody_asked_for_is_answered_late_and_not_used(fedavg):
 
 
 def test_a_message_from_a_device_outside_the_fleet_is_refused(fedavg):
-    orchestrator = fedavg.session.orchestrator
+    orchestrator = fedavg.session.endpoint
     orchestrator.handle(Delivery("message", "client-99", b"anything"))
     assert "'client-99' is not in this federation's config" in orchestrator.rejections[-1][1]
 

@@ -313,7 +313,20 @@ def join_decline() -> bytes:
                          extra={"info": {"stage": "decline", "run": "5e1f0c2a9b3d4e6f", "reason": reason}}))
 
 
+def stage_request() -> bytes:
+    message = Message("stage", 2, "server", {"nonce": torch.tensor([7], dtype=torch.int64)}, {"stage": "ping"}, message_id=ident(0x1401))
+    return pack(Envelope("stage", FED, 2, "server", encode(message), ident(0x401), model_version=2, codec="safetensors",
+                         extra={"info": {"run": RUN, "stage": "ping"}}))
+
+
+def stage_upload() -> bytes:
+    return _upload(Message("stage", 2, DEVICE, {"nonce": torch.tensor([7], dtype=torch.int64)}, {"stage": "ping"},
+                           message_id=ident(0x402)), 2)
+
+
 EXAMPLES: dict[str, Callable[[], str]] = {
+    "stage-request": lambda: envelope_text(f"stage on {DOWN}: round 2's stage 'ping' asks for an echo", stage_request()),
+    "upload-stage": lambda: envelope_text(f"upload on {UP} answering it", stage_upload()),
     "signed-ack": signed_text,
     "join-hello": lambda: envelope_text(f"join on {UP}: a device that holds its own data asks for its task", join_hello()),
     "task": lambda: envelope_text(f"task on {DOWN} answering it (a three-class task, for brevity)", task_message()),
@@ -467,7 +480,7 @@ def _server_answer(sim, payload: bytes) -> Envelope:
 
     inbox = sim.network._inbox[DEVICE]
     inbox.clear()
-    sim.session.orchestrator.handle(Delivery("message", DEVICE, payload))
+    sim.session.endpoint.handle(Delivery("message", DEVICE, payload))
     (reply,) = [unpack(d.payload, 1 << 20) for d in inbox if d.channel == "message"]
     inbox.clear()
     return reply
@@ -504,7 +517,7 @@ def test_every_header_that_parsed_is_answered_with_its_id_when_it_has_one(served
     text = json.dumps(header).encode()
     reply = _server_answer(sim, struct.pack("<4sBI", b"EDFL", 1, len(text)) + text + env.body)
     assert reply.type == "nack" and reply.reply_to == reply_to, reply.extra["reason"]
-    assert reply.round == (round_no if round_no is not None else sim.session.orchestrator._model_version())
+    assert reply.round == (round_no if round_no is not None else sim.session.endpoint.model_version)
 
 
 @pytest.mark.parametrize("field, inside, outside", [("round", 2, 1), ("message_id", ident(0x107), ident(0x106)),

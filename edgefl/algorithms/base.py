@@ -178,6 +178,11 @@ class ClientHalf(ABC):
     def receive(self, downlink: Message | None) -> None:  # noqa: B027  (optional hook: most methods send nothing to apply)
         """Apply what the server sent without training (before evaluation or before :meth:`fit`)."""
 
+    def answer_stage(self, stage: str, request: Message) -> Message | None:
+        """The reply to a stage request of this method's server half (:mod:`edgefl.server.stages`);
+        None: not a stage of this method."""
+        return None
+
     def batch_plan(self, downlink: Message | None, round_no: int) -> BatchPlan | None:
         """This round's training as a part of one batched computation with the other clients of
         its architecture (:mod:`edgefl.algorithms.batched`), or None: this method trains one

@@ -29,6 +29,7 @@ from rich.console import Console
 
 from edgefl.build import RunParts, build_run, federation_name
 from edgefl.config import RunConfig
+from edgefl.filters import build_chain
 from edgefl.rundir import RunDir
 from edgefl.transport.topics import Topics, device_ids
 
@@ -101,7 +102,8 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
         username=username, password=password, ca_file=ca_file), broker_wait_s)
     try:
         store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
-        loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store, verifier)
+        loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store, verifier,
+                          build_chain(cfg.filter_chain(), "device", cfg.seed, device_id))
         saved = loop.restore()
         if saved is not None:
             log.warning("%s: found the state it saved after round %d in %s (used if the server runs the same run)",
@@ -142,7 +144,8 @@ def run_device_held(device_id: str, broker: str, federation_name: str, data: Pat
         for note in joined.notes:
             say(f"{device_id}: {note}")
         store = DeviceStateStore(state_dir, device_id, topics.federation, task_digest(task)) if state_dir else None
-        loop = DeviceLoop(joined.client, transport, topics.federation, task.network, None, None, task.eval_batch_size, store, verifier)
+        loop = DeviceLoop(joined.client, transport, topics.federation, task.network, None, None, task.eval_batch_size, store, verifier,
+                          build_chain(task.filter_chain(), "device", task.seed, device_id))
         loop.restore()
         return loop.run(timeout_s)
     finally:
@@ -176,18 +179,18 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     first = session.resume() if resume else 1
     transport = MqttServerTransport.connect(broker, topics, max_packet_bytes=packet_limit(cfg), keepalive_s=cfg.network.keepalive_s,
                                             protocol=cfg.network.protocol, username=username, password=password, ca_file=ca_file)
-    session.orchestrator.connect(signing_transport(transport, signer))
+    session.endpoint.connect(signing_transport(transport, signer))
     if not resume:
         session.write_start()
     elif on_event:
         on_event("resumed", {"round": first})
     try:
-        session.orchestrator.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s,
-                                              should_stop)  # Ctrl-C while waiting: stop waiting, end before round 1
+        session.policy.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s,
+                                        should_stop)  # Ctrl-C while waiting: stop waiting, end before round 1
         summary = session.run(first, should_stop=should_stop)
     finally:
         transport.close()
-    summary["history"] = session.orchestrator.history
+    summary["history"] = session.policy.history
     return summary
 
 

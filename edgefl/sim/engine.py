@@ -27,6 +27,8 @@ from edgefl.device import DeviceLoop, WorkDone
 from edgefl.heartbeat import Heartbeat
 from edgefl.report import human_bytes
 from edgefl.rundir import RunDir
+from edgefl.filters import build_chain
+from edgefl.server.rounds import SyncRounds
 from edgefl.server.session import RunSession, model_meta, safe_name
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
@@ -85,14 +87,15 @@ class Simulation:
                 self.network.attach_remote(s.client_id, host_of[s.client_id])
                 continue
             loop = DeviceLoop(self.clients[s.client_id], self.network.endpoint(s.client_id), federation, cfg.network,
-                              self.x_test, self.y_test, cfg.eval.batch_size)
+                              self.x_test, self.y_test, cfg.eval.batch_size, filters=build_chain(cfg.filter_chain(), "device", cfg.seed, s.client_id))
             self.network.attach(loop)
         self._closer = weakref.finalize(self, close_hosts, list(self.hosts))
         self._events: Callable[[str, dict[str, Any]], None] = lambda kind, info: None
         facts = {"simulation": {"batch_clients": batch, "backend": cfg.simulation.backend, "hosts": len(self.hosts),
                                 "threads": self.threads}}
         self.session = RunSession(self.parts, self.network, federation, runner="simulation", run_dir=run_dir,
-                                  deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info), start_facts=facts)
+                                  deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info), start_facts=facts,
+                                  clock=self.network.run_clock())
         self.server = self.session.server
         self.session.device_models = self._device_models
         self._joined = False
@@ -104,12 +107,12 @@ class Simulation:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        return self.session.orchestrator.history
+        return self.session.policy.history
 
     def _join(self) -> None:
         if not self._joined:
             # every in-memory device says "online" at virtual time 0: this returns at once
-            self.session.orchestrator.wait_for_devices(self.cfg.clock.deadline_s)
+            self.session.policy.wait_for_devices(self.cfg.clock.deadline_s)
             self._joined = True
 
     def run_round(self, r: int, advance: Callable[[], None] = lambda: None) -> dict[str, Any]:
@@ -117,7 +120,9 @@ class Simulation:
         self._join()
         self._advance = advance
         try:
-            return self.session.orchestrator.run_round(r)
+            policy = self.session.policy
+            assert isinstance(policy, SyncRounds), "run_round plays a synchronous round"
+            return policy.run_round(r)
         finally:
             self._advance = lambda: None
 

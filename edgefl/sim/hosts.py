@@ -101,6 +101,7 @@ class HostCore:
     def __init__(self, config_toml: str, devices: list[str], threads: int | None) -> None:
         from edgefl.build import build_run, federation_name
         from edgefl.config import tomllib, validate_config
+        from edgefl.filters import build_chain
 
         if threads:
             torch.set_num_threads(threads)
@@ -112,7 +113,7 @@ class HostCore:
         for device in devices:
             endpoint = self.endpoints[device] = _CapturingEndpoint()
             self.loops[device] = DeviceLoop(parts.client(device), endpoint, federation, cfg.network, parts.x_test, parts.y_test,
-                                            cfg.eval.batch_size)
+                                            cfg.eval.batch_size, filters=build_chain(cfg.filter_chain(), "device", cfg.seed, device))
 
     def handle(self, request: bytes) -> bytes:
         head, blobs = unpack_frame(request)

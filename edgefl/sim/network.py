@@ -46,8 +46,28 @@ class _Endpoint(DeviceTransport):
         return self.network._device_now
 
 
+class VirtualClock:
+    """The simulation's run clock (:class:`edgefl.server.clock.RunClock`): the network's virtual
+    seconds, and the work it knows to be under way."""
+
+    virtual = True
+
+    def __init__(self, network: InMemoryNetwork) -> None:
+        self.network = network
+
+    def now(self) -> float:
+        return self.network.clock
+
+    def run_clock(self) -> VirtualClock:
+        """The clock the round policies run on (apart from the transport interface)."""
+        return VirtualClock(self)
+
+    def in_flight(self) -> dict[str, tuple[int, float | None]]:
+        """Work known to be on its way: device -> (round, seconds of work)."""
+        return self.network.in_flight()
+
+
 class InMemoryNetwork(ServerTransport):
-    virtual_clock = True
 
     def __init__(self, work_seconds: WorkPricer | None = None, timed: set[str] | frozenset[str] = frozenset(),
                  on_work: Callable[[str, WorkDone], None] | None = None, batcher: FitBatcher | None = None) -> None:
@@ -114,7 +134,12 @@ class InMemoryNetwork(ServerTransport):
     def now(self) -> float:
         return self.clock
 
+    def run_clock(self) -> VirtualClock:
+        """The clock the round policies run on (apart from the transport interface)."""
+        return VirtualClock(self)
+
     def in_flight(self) -> dict[str, tuple[int, float | None]]:
+        """Work known to be on its way: device -> (round, seconds of work)."""
         return {d: (r, work) for d, (r, work, arrival) in self._in_flight.items() if arrival > self.clock}
 
     # --- the devices -----------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Two sides, each a handful of calls: the server sends envelope bytes to one device, announces to
 every device, and receives what devices send plus their presence; a device sends to the server
 and receives what the server sends it. Everything above this line (envelopes, chunks, acks,
-quorum, deadlines) is written once, in :mod:`edgefl.server.orchestrator` and
-:mod:`edgefl.device`; implementations only move bytes:
+quorum, deadlines) is written once, in :mod:`edgefl.server.endpoint` (with the round policies
+over it) and :mod:`edgefl.device`; implementations only move bytes (a simulated clock is handed
+to the policies apart: :mod:`edgefl.server.clock`):
 
 * :mod:`edgefl.transport.mqtt`: MQTT through a broker (fleets, real devices);
 * :mod:`edgefl.sim.network`: in memory, the device loops in this process, a virtual clock
@@ -60,9 +61,6 @@ class _Endpoint(ABC):
 class ServerTransport(_Endpoint):
     """The server's side: one endpoint, every device of the federation behind it."""
 
-    #: whether :meth:`now` is a simulated clock (the simulation) rather than the wall clock
-    virtual_clock: bool = False
-
     @abstractmethod
     def send(self, device: str, data: bytes) -> None:
         """Queue ``data`` for one device (delivered even if it is offline now, when it returns)."""
@@ -75,11 +73,6 @@ class ServerTransport(_Endpoint):
     def connects(self) -> int:
         """How often this side has (re)connected: after a reconnect, presence is unknown again."""
         return 1
-
-    def in_flight(self) -> dict[str, tuple[int, float | None]]:
-        """Work known to be on its way: device -> (round, seconds of work). Only a simulated
-        network can know this; a real one returns nothing."""
-        return {}
 
 
 class DeviceTransport(_Endpoint):

@@ -32,7 +32,7 @@ VERSION = 1
 PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 64 << 10
 
-TYPES = ("upload", "download", "evaluate", "chunk", "ack", "nack", "round", "presence", "join", "task")
+TYPES = ("upload", "download", "evaluate", "stage", "chunk", "ack", "nack", "round", "presence", "join", "task")
 CODECS = ("safetensors", "none")
 
 # field -> (type, required)

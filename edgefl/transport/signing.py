@@ -173,8 +173,6 @@ def signing_transport(inner, signer: Signer | None):
     class SignedServerTransport(ServerTransport):
         """Signs what the round loop sends; everything else is ``inner``'s."""
 
-        virtual_clock = inner.virtual_clock
-
         def send(self, device: str, data: bytes) -> None:
             inner.send(device, signer.sign(data, device))
 
@@ -193,8 +191,5 @@ def signing_transport(inner, signer: Signer | None):
         @property
         def connects(self) -> int:
             return inner.connects
-
-        def in_flight(self):
-            return inner.in_flight()
 
     return SignedServerTransport()

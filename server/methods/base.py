@@ -169,6 +169,11 @@ class ServerHalf(ABC):
         model, options, shape = self.global_spec(arch)
         return build_model(model, num_classes=self.num_classes, input_shape=shape, **options)
 
+    def stages(self) -> list[Any]:
+        """Exchanges this method runs in every round besides training
+        (:class:`edgefl.server.stages.Stage`; the client half answers them in ``answer_stage``)."""
+        return []
+
     def write_artifacts(self, directory: Path) -> list[Path]:
         """Write what a person would look at besides the models (FedMHO: the synthetic sample grid)."""
         return []
