@@ -577,10 +577,18 @@ def broker_config(
     out.print(f"start it with: mosquitto -c {made.config}   (docs/deploy.md)")
 
 
-@app.command()
+def _export_formats_help() -> str:
+    """The registered export formats, one paragraph each, for `edgefl export --help` (the registry
+    is light: listing it imports no converter)."""
+    from edgefl.exporters.registry import FORMATS
+
+    return "Formats:\n\n" + "\n\n".join(f"{name}: {cls.summary}" for name, cls in FORMATS.items())
+
+
+@app.command(epilog=_export_formats_help())
 def export(
     source: Annotated[Path, typer.Argument(help="a run directory, or a .safetensors weights file")],
-    format_: Annotated[str, typer.Option("--format", help="comma-separated: onnx, tflite")] = "onnx,tflite",
+    format_: Annotated[str, typer.Option("--format", help="comma-separated export formats (listed below)")] = "onnx,tflite",
     int8: Annotated[bool, typer.Option("--int8", help="also write int8 files, calibrated on real training samples")] = False,
     batch: Annotated[int, typer.Option(help="the fixed batch of the phone files (a TFLite file keeps it: resizing it at run "
                                             "time fails under the XNNPACK delegate; the dynamic-batch ONNX file takes any)")] = 1,
@@ -588,8 +596,8 @@ def export(
     channels_last: Annotated[Optional[bool], typer.Option("--channels-last/--channels-first",
                                                           help="TFLite image inputs/outputs NHWC (the default, TFLite's "
                                                                "convention) or NCHW like PyTorch; ONNX files stay NCHW")] = None,
-    micro: Annotated[bool, typer.Option("--micro", help="also TFLite Micro: integer-only int8 file as a C array (NAME.int8.h), "
-                                                         "the op resolver it needs and its measured tensor arena")] = False,
+    micro: Annotated[bool, typer.Option("--micro", help="also TFLite Micro (the micro format): integer-only int8 file as a C array "
+                                                         "(NAME.int8.h), the op resolver it needs and its measured tensor arena")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="output folder (default RUN_DIR/export)")] = None,
     model: Annotated[Optional[str], typer.Option(help="architecture of a weights file without metadata")] = None,
     select: Annotated[Optional[str], typer.Option(help="only the run's models whose file name contains this (among all it saved)")] = None,
@@ -610,15 +618,16 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     from rich.table import Table
 
     from edgefl.exporters import default_out_dir, export_model, sources_from_path
+    from edgefl.exporters.registry import chosen_formats
 
-    known = ("onnx", "tflite")
     if not formats:
         raise EdgeflError("--format names no format: nothing would be exported", hint="--format onnx,tflite (or one of them)")
-    unknown = [f for f in formats if f not in known]
-    if unknown:
-        raise EdgeflError(f"--format {','.join(unknown)}: unknown format", hint="choose from onnx, tflite")
     if micro and "tflite" not in formats:
         raise EdgeflError("--micro needs the TFLite format", hint="--format tflite (or onnx,tflite)")
+    chosen = chosen_formats((*formats, *(("micro",) if micro else ())))  # an unknown name gets a did-you-mean
+    for fmt in chosen:  # a missing converter is said before any model is loaded
+        fmt.check_available()
+    formats = tuple(fmt.name for fmt in chosen)
     sources = sources_from_path(source, model=model, select=select, every=every)
     out_dir = default_out_dir(source) if out_dir is None else out_dir
     _check_writable(Path(out_dir))
@@ -636,7 +645,7 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
             for src in sources:
                 try:
                     files = export_model(src, out_dir, formats=formats, int8=int8, batch=batch, dynamic_batch=dynamic_batch,
-                                         channels_last=channels_last, micro=micro, dataset=ds,
+                                         channels_last=channels_last, dataset=ds,
                                          log=lambda m, s=src: status.update(f"{s.name}: {m}"))
                 except (EdgeflError, OSError) as exc:  # one model's failure: reported, the others still exported
                     reason = exc.message if isinstance(exc, EdgeflError) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"

@@ -7,27 +7,40 @@ extra and are imported only when a format needs them::
 
     from edgefl.exporters import export_path
     files = export_path("runs/my-run", "exports/", formats=("onnx", "tflite"), int8=True)
+
+Formats are chosen by name through :mod:`edgefl.exporters.registry`; a new one is a module with an
+``ExportFormat`` subclass and a ``register_format`` call (docs/export.md).
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+# The built-in formats register on import, in this order (the order `edgefl export --help` lists
+# them); their modules are light: each imports its converter only when a model is exported.
+from edgefl.exporters import onnx_format, tflite_format, micro_format  # noqa: F401
+from edgefl.exporters.registry import (
+    ExportedFile,
+    ExportError,
+    ExportFormat,
+    ExportOptions,
+    Requirement,
+    format_names,
+    get_format,
+    register_format,
+)
 
 # Names resolve on first use (PEP 562): importing edgefl.exporters stays cheap and works where
 # torch and the export extra are not installed (a device's light install, the packaging test).
 _LAZY = {
-    "ExportedFile": "export", "export_model": "export",
+    "export_model": "export",
     "read_sidecar": "metadata", "sha256_file": "metadata",
-    "ExportError": "onnx_export",
     "ATOL": "parity", "RTOL": "parity", "Parity": "parity", "ParityError": "parity", "check_parity": "parity",
     "ExportSourceError": "source", "ModelSource": "source", "from_module": "source", "load_weights_file": "source",
     "sources_from_path": "source",
 }
-
-if TYPE_CHECKING:
-    from edgefl.exporters.export import ExportedFile
 
 
 def __getattr__(name: str) -> Any:
@@ -60,4 +73,5 @@ def export_path(path: str | Path, out_dir: str | Path | None = None, *, model: s
     return files
 
 
-__all__ = [*_LAZY, "default_out_dir", "export_path"]
+__all__ = [*_LAZY, "ExportError", "ExportFormat", "ExportOptions", "ExportedFile", "Requirement", "default_out_dir", "export_path",
+           "format_names", "get_format", "register_format"]

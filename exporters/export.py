@@ -1,6 +1,7 @@
 """One model to the files a phone or board runs, each checked against PyTorch and described.
 
-:func:`export_model` writes, for a :class:`~edgefl.exporters.source.ModelSource`:
+:func:`export_model` runs the chosen formats of the registry (:mod:`edgefl.exporters.registry`)
+for a :class:`~edgefl.exporters.source.ModelSource`; the built-in ones write:
 
 =========================  ===============================================================
 ``NAME.onnx``              float, fixed batch (phone execution providers need fixed shapes)
@@ -8,10 +9,12 @@
 ``NAME.int8.onnx``         static QDQ int8, fixed batch (``int8=True``)
 ``NAME.tflite``            float, fixed batch, NHWC image I/O by default
 ``NAME.int8.tflite``       integer-only int8 (every op and tensor), int8 I/O (``int8=True``)
-``NAME.int8.h``            the int8 file as a C array for TFLite Micro (``micro=True``)
+``NAME.int8.h``            the int8 file as a C array for TFLite Micro (format ``micro``)
 =========================  ===============================================================
 
-each with a ``.json`` sidecar. Every float file must match PyTorch on real test inputs within the
+each with a ``.json`` sidecar. A format writes and checks its own files; :class:`ExportJob` is
+what they share: the model, its real inputs and PyTorch's answers on them, the checks, the
+sidecars. Every float file must match PyTorch on real test inputs within the
 parity contract (:mod:`edgefl.exporters.parity`); int8 classifiers must keep at least
 ``INT8_MIN_RELATIVE_ACCURACY`` of the float model's test accuracy and be integer-only. A model's
 files are built in a staging folder and moved into place together only when all passed
@@ -21,12 +24,11 @@ files are built in a staging folder and moved into place together only when all 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +38,14 @@ import torch
 from edgefl.data import Dataset, load_dataset
 from edgefl.errors import DataError
 from edgefl.exporters.metadata import write_sidecar
-from edgefl.exporters.onnx_export import (
-    ExportError,
-    OnnxRunner,
-    check_model_file,
-    embed_onnx_metadata,
-    export_onnx,
-    first_compute_node,
-    mobile_usability,
-    quantize_int8,
-)
-from edgefl.exporters.parity import ATOL, RTOL, Parity, ParityError, check_parity
+from edgefl.exporters.parity import ATOL, RTOL, ParityError, check_parity
+from edgefl.exporters.registry import ExportedFile, ExportError, ExportOptions, all_suffixes, chosen_formats
 from edgefl.exporters.source import ModelSource
 from edgefl.exporters.staging import Staging, file_error
 from edgefl.models import count_flops
 
 INT8_MIN_RELATIVE_ACCURACY = 0.98  # MLPerf Mobile's bar for int8 classifiers
-FORMATS = ("onnx", "tflite")
+DEFAULT_FORMATS = ("onnx", "tflite")
 
 #: raw value -> model input, per dataset: x = (value - mean) / std (what an app must do)
 NORMALISATION = {
@@ -78,19 +71,6 @@ def normalisation(dataset_name: str | None, dataset: Dataset | None) -> dict[str
         return {"formula": None, "description": "as in training (the dataset is unknown to edgefl)"}
     formula = "x = (value - mean) / std" if known["mean"] != [0.0] else f"x = value / {known['std'][0]:g}"
     return {"formula": formula, **known, "scale": 1 / known["std"][0], "offset": 0.0}
-
-
-@dataclass
-class ExportedFile:
-    path: Path
-    format: str
-    precision: str  # "float32" | "int8"
-    batch: int | None  # None: dynamic
-    parity: Parity | None = None
-    accuracy: float | None = None
-    agreement: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    sidecar: Path | None = None
 
 
 @dataclass
@@ -169,7 +149,7 @@ def _accuracy(logits: np.ndarray, labels: torch.Tensor) -> float:
 def export_model(
     src: ModelSource,
     out_dir: str | Path,
-    formats: tuple[str, ...] = FORMATS,
+    formats: tuple[str, ...] = DEFAULT_FORMATS,
     int8: bool = False,
     batch: int = 1,
     dynamic_batch: bool = True,
@@ -186,33 +166,29 @@ def export_model(
 ) -> list[ExportedFile]:
     """Export one model in every requested format; returns what was written (see module doc).
 
-    ``channels_last`` (TFLite only): None lays image inputs and outputs out NHWC, the TFLite
-    convention; False keeps PyTorch's NCHW. ``micro`` (implies int8 TFLite) adds the C array
-    and the TFLite Micro facts. Nothing of this model reaches ``out_dir`` unless every file passes.
+    ``formats`` are registry names; ``micro=True`` stands for the ``micro`` format (it builds on
+    tflite and implies int8). ``channels_last`` (TFLite only): None lays image inputs and outputs
+    out NHWC, the TFLite convention; False keeps PyTorch's NCHW. Nothing of this model reaches
+    ``out_dir`` unless every file passes.
     """
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown:
-        raise ExportError(f"unknown export format(s) {unknown}", hint="formats: onnx, tflite")
-    if not formats:
-        raise ExportError("no export format given", hint="formats: onnx, tflite")
+    chosen = chosen_formats((*formats, *(("micro",) if micro else ())))
     if batch < 1:
         raise ExportError("--batch must be at least 1")
-    if micro and "tflite" not in formats:
-        raise ExportError("--micro needs the TFLite format", hint="add tflite to --format")
-    int8 = int8 or micro
+    for fmt in chosen:  # a missing converter is said before minutes of work on the other formats
+        fmt.check_available()
+    options = ExportOptions(batch=batch, int8=int8 or any(f.needs_int8 for f in chosen), dynamic_batch=dynamic_batch,
+                            channels_last=channels_last, mobile_check=mobile_check)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise file_error(exc, f"create {out}") from None
     inputs = prepare_inputs(src, dataset, test_samples)
-    staging = Staging(out, src.name)
+    staging = Staging(out, src.name, all_suffixes())
     try:
-        job = _Job(src, inputs, staging.path, batch, rtol, atol, int8_min_relative_accuracy, latency_runs, log)
-        if "onnx" in formats:
-            job.onnx(int8, dynamic_batch, mobile_check)
-        if "tflite" in formats:
-            job.tflite(int8, channels_last, micro)
+        job = ExportJob(src, inputs, options, rtol, atol, int8_min_relative_accuracy, latency_runs, log)
+        for fmt in chosen:
+            job.written += fmt().export(job, staging.path)
         job.write_sidecars()
         moved = staging.commit()
     except OSError as exc:
@@ -221,26 +197,27 @@ def export_model(
         staging.discard()
     for f in job.written:
         f.path, f.sidecar = moved[f.path], moved[f.sidecar] if f.sidecar is not None else None
-        if "micro" in f.extra:
-            f.extra["micro"]["c_header_path"] = str(out / f.extra["micro"]["c_header"])
     return job.written
 
 
-class _Job:
-    """One model's export into a staging folder: each file written, checked, described."""
+class ExportJob:
+    """One model's export: what every format shares (the model, real inputs, PyTorch's answers on
+    them, the checks, the sidecars). Formats get it as an :class:`~edgefl.exporters.registry.ExportContext`."""
 
-    def __init__(self, src: ModelSource, inputs: ExportInputs, folder: Path, batch: int, rtol: float, atol: float,
+    def __init__(self, src: ModelSource, inputs: ExportInputs, options: ExportOptions, rtol: float, atol: float,
                  int8_bar: float, latency_runs: int, log: Callable[[str], None]) -> None:
-        self.src, self.inputs, self.folder, self.batch = src, inputs, folder, batch
+        self.src, self.inputs, self.options, self.batch = src, inputs, options, options.batch
         self.rtol, self.atol, self.int8_bar, self.latency_runs, self.log = rtol, atol, int8_bar, latency_runs, log
         self.module = src.module.eval()
         self.classifier = src.kind == "classifier"
+        self.parity_inputs = inputs.parity
         self.written: list[ExportedFile] = []
         with torch.no_grad():
             self.ref_parity = self.module(*inputs.parity).numpy()
             self.ref_test = (torch.cat([self.module(*(t[i : i + 500] for t in inputs.test)) for i in range(0, len(inputs.test[0]), 500)]).numpy()
                              if inputs.test else None)
         self.torch_acc = _accuracy(self.ref_test, inputs.labels) if self.classifier and self.ref_test is not None else None
+        batch = self.batch
         self.sample = tuple(t[:batch] if t.shape[0] >= batch else t[:1].repeat(batch, *([1] * (t.dim() - 1))) for t in inputs.parity)
         with torch.no_grad():
             flops = count_flops(self.module, tuple(t[:1] for t in self.sample))
@@ -253,9 +230,12 @@ class _Job:
             "source": {"run": src.run, "run_name": src.run_name, "method": src.method, "seed": src.seed, "round": src.round,
                        "weights": src.weights_path, "weights_sha256": src.weights_sha256, "dataset": src.dataset},
             "pytorch_test_accuracy": self.torch_acc, "test_samples": len(inputs.labels) if inputs.labels is not None else 0,
-            "edgefl_version": _edgefl_version(), "exporter_versions": exporter_versions(),
+            "edgefl_version": edgefl_version(), "exporter_versions": exporter_versions(),
             "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "normalisation": self.norm,
         }
+
+    def calibration(self) -> list[tuple[torch.Tensor, ...]]:
+        return fixed_batches(self.inputs.calibration, self.batch)
 
     # --- checks shared by every file --------------------------------------------------------------
     def judge(self, f: ExportedFile, runner: Callable[..., np.ndarray], layout_fn: Callable[[torch.Tensor], torch.Tensor] = lambda a: a) -> None:
@@ -279,65 +259,7 @@ class _Job:
             sample = tuple(layout_fn(t).numpy() for t in self.sample)
             f.extra["latency"] = _latency(runner, sample, self.latency_runs)
 
-    # --- ONNX --------------------------------------------------------------------------------------
-    def onnx(self, int8: bool, dynamic_batch: bool, mobile_check: bool) -> None:
-        src, names = self.src, (["input"] if self.classifier else ["z", "y_onehot"])
-        variants = [(f"{src.name}.onnx", self.batch)] + ([(f"{src.name}.dynamic.onnx", None)] if dynamic_batch else [])
-        for filename, b in variants:
-            path = self.folder / filename
-            self.log(f"onnx: {filename}")
-            export_onnx(self.module, self.sample, path, src.kind, dynamic=b is None)
-            f = ExportedFile(path, "onnx", "float32", b, extra={"layout": _layout(self.sample, False), "opset": _opset(path)})
-            self._describe_onnx(f)
-            check_model_file(path)
-            runner = OnnxRunner(path, threads=1)
-            f.extra["io"] = runner.io()
-            self.judge(f, runner)
-            if b is not None and mobile_check:
-                f.extra["mobile_usability"] = mobile_usability(path)
-            self.written.append(f)
-        if int8:
-            path = self.folder / f"{src.name}.int8.onnx"
-            self.log(f"onnx: {path.name} (int8, calibrating on {sum(len(c[0]) for c in self.inputs.calibration)} real samples)")
-            fixed_calib = [tuple(t.numpy() for t in c) for c in _fixed_batches(self.inputs.calibration, self.batch)]
-            float_file = self.folder / f"{src.name}.onnx"
-            # all nodes int8 first; below the bar, once more with the first layer (which sees the
-            # raw input) kept float, as is usual for int8 deployments; the sidecar names it
-            first = first_compute_node(float_file)
-            attempts = [[]] + ([[first]] if first else [])
-            for attempt, exclude in enumerate(attempts):
-                quantize_int8(float_file, path, iter(fixed_calib), names, exclude=exclude)
-                f = ExportedFile(path, "onnx", "int8", self.batch, extra={
-                    "layout": _layout(self.sample, False), "opset": _opset(path), "float_nodes": exclude,
-                    "quantization": "QDQ static, per-channel weights" + (f"; {exclude[0]} kept float" if exclude else "")})
-                self._describe_onnx(f)
-                check_model_file(path)
-                runner = OnnxRunner(path, threads=1)
-                f.extra["io"] = runner.io()
-                try:
-                    self.judge(f, runner)
-                    break
-                except ExportError:
-                    if attempt == len(attempts) - 1:
-                        raise
-                    self.log(f"onnx: {path.name} below the int8 bar; again with {first} kept float")
-            if mobile_check:
-                f.extra["mobile_usability"] = mobile_usability(path)
-            self.written.append(f)
-
-    def _describe_onnx(self, f: ExportedFile) -> None:
-        src = self.src
-        props = {
-            "edgefl.version": _edgefl_version(), "edgefl.model": src.model, "edgefl.model_options": json.dumps(src.model_options),
-            "edgefl.kind": src.kind, "edgefl.precision": f.precision, "edgefl.layout": f.extra["layout"],
-            "edgefl.dataset": src.dataset or "", "edgefl.labels": json.dumps(self.labels),
-            "edgefl.normalisation": json.dumps(self.norm), "edgefl.run": src.run_name or src.run or "",
-            "edgefl.method": src.method or "", "edgefl.seed": "" if src.seed is None else str(src.seed),
-            "edgefl.round": "" if src.round is None else str(src.round), "edgefl.weights_sha256": src.weights_sha256 or "",
-        }
-        embed_onnx_metadata(f.path, {k: v for k, v in props.items() if v}, version=_model_version(src), doc=self._doc(f))
-
-    def _doc(self, f: ExportedFile) -> str:
+    def describe(self, f: ExportedFile) -> str:
         src = self.src
         if self.classifier:
             how = self.norm.get("formula") if self.norm else None
@@ -349,103 +271,12 @@ class _Job:
         return (f"edgefl {src.model} decoder: inputs 'z' (latent, N(0, I)) and 'y_onehot' (class), output 'sample' "
                 f"(an image in [0, 1]), {f.precision}.")
 
-    # --- TFLite ------------------------------------------------------------------------------------
-    def tflite(self, int8: bool, channels_last: bool | None, micro: bool) -> None:
-        from edgefl.exporters.residual import quantisable
-        from edgefl.exporters.tflite_export import TFLiteRunner, channels_last_wrapper, convert, io_names, resizable
-        from edgefl.exporters.tflite_model import list_ops
-
-        src = self.src
-        images = (self.classifier and self.sample[0].dim() == 4) or (not self.classifier and len(src.input_shape) == 3)
-        nhwc = images and channels_last is not False
-        conv_module, conv_sample = self.module, self.sample
-        to_layout = lambda t: t  # noqa: E731
-        if nhwc:
-            conv_module, conv_sample = channels_last_wrapper(self.module, src.kind, self.sample)
-            if self.classifier:
-                to_layout = lambda t: t.permute(0, 2, 3, 1).contiguous()  # noqa: E731
-        layout = _layout(self.sample, nhwc) if self.classifier else ("NHWC" if nhwc else "NCHW")
-        for precision in ("float32", "int8") if int8 else ("float32",):
-            name = f"{src.name}.tflite" if precision == "float32" else f"{src.name}.int8.tflite"
-            path = self.folder / name
-            self.log(f"tflite: {name}")
-            calib = None
-            module = conv_module
-            if precision == "int8":
-                calib = [tuple(to_layout(t) if i == 0 and self.classifier else t for i, t in enumerate(c))
-                         for c in _fixed_batches(self.inputs.calibration, self.batch)]
-                module = quantisable(conv_module, conv_sample)
-            convert(module, conv_sample, path, kind=src.kind, calibration=calib)
-            self._describe_tflite(path, precision, layout)
-            order = io_names(src.kind)[0]
-            runner = TFLiteRunner(path, input_order=order)
-            can_resize = resizable(path, tuple(t.numpy() for t in conv_sample), order)
-            listing = list_ops(path)
-            f = ExportedFile(path, "tflite", precision, self.batch,
-                             extra={"layout": layout, "interpreter": runner.runtime, "io": runner.io(),
-                                    "signature_key": runner.signature_key, "ops": listing.to_dict(),
-                                    "resizable_batch": can_resize,
-                                    "batch_note": "resize_tensor_input changes the batch" if can_resize else
-                                    f"fixed batch {self.batch} (the graph reshapes the batch dimension); export with --batch N for another"})
-            if precision == "int8":
-                f.extra["integer_only"] = listing.integer_only
-                if self.classifier and not listing.integer_only:
-                    raise ExportError(f"{name} is not integer-only: {', '.join(sorted(set(listing.float_ops)))} compute in float",
-                                      hint="an op without an int8 kernel in the converter; ship the float file, or replace that layer")
-            self.judge(f, runner, to_layout)
-            if precision == "int8" and micro:
-                self._micro(f, runner, to_layout, listing)
-            self.written.append(f)
-
-    def _describe_tflite(self, path: Path, precision: str, layout: str) -> None:
-        from edgefl.exporters.tflite_model import embed_metadata
-
-        src = self.src
-        if self.classifier:
-            image = len(src.input_shape) == 3
-            entry: dict[str, Any] = {"name": "input", "kind": "image" if image else "feature",
-                                     "channels": src.input_shape[0] if image else None,
-                                     "description": f"{'image' if image else 'features'}, {layout}"
-                                                    + (f"; {self.norm['formula']}" if self.norm and self.norm.get("formula") else "")}
-            if self.norm and self.norm.get("mean") is not None:
-                entry["mean"], entry["std"] = self.norm["mean"], self.norm["std"]
-                if "min" in self.norm:
-                    entry["min"], entry["max"] = self.norm["min"], self.norm["max"]
-            inputs = [entry]
-            outputs = [{"name": "logits", "kind": "feature", "description": "unnormalised class scores (argmax = class)"}]
-            labels = self.labels
-        else:
-            inputs = [{"name": "z", "kind": "feature", "description": "latent draw, z ~ N(0, I)"},
-                      {"name": "y_onehot", "kind": "feature", "description": "one-hot class"}]
-            outputs = [{"name": "sample", "kind": "image", "channels": src.input_shape[0], "description": f"generated image in [0, 1], {layout}"}]
-            labels = None
-        embed_metadata(path, name=f"edgefl {src.model}", description=self._doc(ExportedFile(path, "tflite", precision, self.batch,
-                                                                                               extra={"layout": layout})),
-                       version=f"{_edgefl_version()}; round {src.round}" if src.round is not None else _edgefl_version(),
-                       inputs=inputs, outputs=outputs, labels=labels)
-
-    def _micro(self, f: ExportedFile, runner: Any, to_layout: Callable[[torch.Tensor], torch.Tensor], listing: Any) -> None:
-        from edgefl.exporters.micro import measure_arena, micro_facts, micro_outputs, resolver_code, write_c_header
-
-        self.log(f"tflite micro: {f.path.name}")
-        samples = tuple(to_layout(t) for t in self.inputs.parity)
-        n = samples[0].shape[0] // self.batch * self.batch
-        batches = [runner.quantise(*(t[i : i + self.batch].numpy() for t in samples)) for i in range(0, n, self.batch)]
-        arena = measure_arena(f.path, batches[0])
-        micro = micro_outputs(f.path, arena, batches)
-        litert = np.concatenate([runner.raw(*b) for b in batches])
-        agreement = float((micro.reshape(len(micro), -1).argmax(1) == litert.reshape(len(litert), -1).argmax(1)).mean())
-        if self.classifier and agreement < 0.99:
-            raise ExportError(f"{f.path.name}: TFLite Micro agrees with LiteRT on only {agreement:.1%} of the parity inputs",
-                              hint="report it: the two interpreters should compute the same int8 graph")
-        header = write_c_header(f.path, f.path.with_name(f"{self.src.name}.int8.h"), arena, resolver_code(listing))
-        f.extra["micro"] = micro_facts(listing, arena, agreement, header)
-
     # --- sidecars ----------------------------------------------------------------------------------
     def write_sidecars(self) -> None:
         for f in self.written:
+            io = f.extra.get("io")  # what the runtime reports; a format without a runtime may leave it out
             fields = {**self.base, "format": f.format, "precision": f.precision,
-                      "inputs": _describe_inputs(self.src, f), "outputs": _describe_outputs(self.src, f),
+                      "inputs": _describe_inputs(self.src, f) if io else None, "outputs": _describe_outputs(self.src, f) if io else None,
                       "parity": f.parity.to_dict() if f.parity else None, "test_accuracy": f.accuracy,
                       "top1_agreement_with_pytorch": f.agreement, **{k: v for k, v in f.extra.items() if k != "io"}}
             if f.precision == "int8":
@@ -462,18 +293,14 @@ def _labels(src: ModelSource, dataset: Dataset | None) -> list[str]:
     return list(src.class_names) or [str(i) for i in range(src.num_classes)]
 
 
-def _edgefl_version() -> str:
+def edgefl_version() -> str:
     from edgefl import __version__
 
     return __version__
 
 
-def _model_version(src: ModelSource) -> int:
-    """ONNX model_version: the round the weights come from (1 for weights without one)."""
-    return int(src.round) if isinstance(src.round, int) and src.round > 0 else 1
-
-
-def _layout(sample: tuple[torch.Tensor, ...], nhwc: bool) -> str:
+def layout_of(sample: tuple[torch.Tensor, ...], nhwc: bool) -> str:
+    """The layout name of a classifier's input: NCHW/NHWC for images, NC for features."""
     if sample[0].dim() == 4:
         return "NHWC" if nhwc else "NCHW"
     return "NC" if sample[0].dim() == 2 else "N" + "D" * (sample[0].dim() - 1)
@@ -492,15 +319,7 @@ def _latency(runner: Callable[..., np.ndarray], sample: tuple[np.ndarray, ...], 
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
 
 
-
-def _opset(path: Path) -> int | None:
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-
-
-def _fixed_batches(calibration: list[tuple[torch.Tensor, ...]], batch: int) -> list[tuple[torch.Tensor, ...]]:
+def fixed_batches(calibration: list[tuple[torch.Tensor, ...]], batch: int) -> list[tuple[torch.Tensor, ...]]:
     """Calibration batches re-cut to the file's fixed batch size."""
     joined = tuple(torch.cat([c[i] for c in calibration]) for i in range(len(calibration[0])))
     n = joined[0].shape[0] // batch * batch
@@ -548,4 +367,4 @@ def _describe_outputs(src: ModelSource, f: ExportedFile) -> list[dict[str, Any]]
     return [_runtime_entry(e, f, image=len(e["shape"]) == 4) for e in f.extra["io"]["outputs"]]
 
 
-__all__ = ["ExportError", "ExportedFile", "ParityError", "export_model", "prepare_inputs", "run_in_batches"]
+__all__ = ["ExportError", "ExportJob", "ExportedFile", "ParityError", "export_model", "prepare_inputs", "run_in_batches"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefl.exporters.onnx_export import ExportError
+from edgefl.exporters.registry import ExportError
 from edgefl.exporters.tflite_model import OpListing
 
 ARENA_STEP = 256

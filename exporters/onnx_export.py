@@ -19,11 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgefl.errors import EdgeflError
-
-
-class ExportError(EdgeflError):
-    """A model the exporter or a runtime could not handle."""
+from edgefl.exporters.registry import ExportError  # defined with the registry (light); kept importable from here
 
 
 def _names(kind: str) -> tuple[list[str], list[str]]:

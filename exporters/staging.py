@@ -21,10 +21,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from edgefl.exporters.onnx_export import ExportError
+from edgefl.exporters.registry import ExportError
 
-#: the suffixes of one model's set (NAME + suffix, each also with ".json" for its sidecar)
-SET_SUFFIXES = (".onnx", ".dynamic.onnx", ".int8.onnx", ".tflite", ".int8.tflite", ".int8.h")
 _PREFIX = ".edgefl-staging-"
 
 
@@ -40,9 +38,9 @@ def file_error(exc: OSError, what: str) -> ExportError:
     return ExportError(f"cannot {what}: {reason}", hint=hint)
 
 
-def model_set(folder: Path, name: str) -> list[Path]:
-    """The files of model ``name`` now in ``folder`` (model files and sidecars)."""
-    names = [name + s for s in SET_SUFFIXES]
+def model_set(folder: Path, name: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """The files of model ``name`` now in ``folder`` (NAME + each suffix, and their sidecars)."""
+    names = [name + s for s in suffixes]
     return [folder / n for n in names + [n + ".json" for n in names] if (folder / n).exists()]
 
 
@@ -60,10 +58,13 @@ def _signals_held() -> Iterator[None]:
 
 
 class Staging:
-    """A hidden folder inside ``out`` for one model's files; :meth:`commit` moves them into ``out``."""
+    """A hidden folder inside ``out`` for one model's files; :meth:`commit` moves them into ``out``.
 
-    def __init__(self, out: Path, name: str) -> None:
-        self.out, self.name = out, name
+    ``suffixes``: the endings of every file a model's set may have (all registered formats'), so
+    that a commit removes the previous set whole."""
+
+    def __init__(self, out: Path, name: str, suffixes: tuple[str, ...]) -> None:
+        self.out, self.name, self.suffixes = out, name, suffixes
         for stale in out.glob(f"{_PREFIX}{name}-*"):  # left by a power cut or a kill -9
             shutil.rmtree(stale, ignore_errors=True)
         try:
@@ -76,7 +77,7 @@ class Staging:
         moved: dict[Path, Path] = {}
         try:
             with _signals_held():
-                for old in model_set(self.out, self.name):
+                for old in model_set(self.out, self.name, self.suffixes):
                     old.unlink()
                 for staged in sorted(self.path.iterdir()):
                     final = self.out / staged.name

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgefl.exporters.onnx_export import ExportError
+from edgefl.exporters.registry import ExportError
 
 
 def _litert_torch():
