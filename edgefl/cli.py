@@ -929,6 +929,23 @@ def profiles() -> None:
     out.print(table)
 
 
+@app.command()
+def filters() -> None:
+    """List the filters a run's [[filters]] can name, with their options (docs/filters.md)."""
+    from edgefl.filters import FILTERS
+
+    from rich.markup import escape
+
+    table = Table(title=escape("edgefl filters ([[filters]] name = ... plus options; applied in the order listed)"))
+    for col in ("name", "what it does", "options (default)"):
+        table.add_column(col, no_wrap=col == "name")
+    for name, cls in sorted(FILTERS.items()):
+        options = ", ".join(f"{key} ({field.default!r})" if not field.is_required() else f"{key} (required)"
+                            for key, field in cls.Options.model_fields.items())
+        table.add_row(name, cls.summary or (cls.__doc__ or "").strip().split("\n")[0], options or "-")
+    out.print(table)
+
+
 def _bytes(v: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if v < 1024:

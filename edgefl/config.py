@@ -405,13 +405,25 @@ class RunConfig(Strict):
     filters: list[FilterSettings] = Field(
         default_factory=list, description="the chain every upload and download passes through, in order ([[filters]] name = ... "
                                           "plus the filter's options; docs/filters.md): compression (quantize, topk), privacy")
-    export: list[Literal["onnx", "tflite", "int8"]] = Field(
-        default_factory=list, description="formats the run ends with (edgefl export); 'int8' adds int8 variants"
+    export: list[str] = Field(
+        default_factory=list, description="formats the run ends with (edgefl export --help lists them: onnx, tflite, micro and any "
+                                          "registered); 'int8' adds int8 variants"
     )
     track: list[Literal["tensorboard", "mlflow"]] = Field(
         default_factory=list, description="experiment trackers fed every round (--track): TensorBoard event files in RUN_DIR/tensorboard, "
                                           "MLflow runs (pip install -e '.[track]' in the edgefl checkout)")
     tracking_uri: str | None = Field(None, description="MLflow tracking URI (default: a file store in RUN_DIR/mlruns)")
+
+    @field_validator("export")
+    @classmethod
+    def _registered_export_formats(cls, names: list[str]) -> list[str]:
+        from edgefl.exporters.registry import format_names  # light: no torch, no converter
+
+        known = [*format_names(), "int8"]
+        for name in names:
+            if name not in known:
+                raise ValueError(f"unknown export format {name!r}{suggest(name, known)}; formats: {', '.join(known)}")
+        return names
 
     @model_validator(mode="after")
     def _quorum_reachable(self) -> RunConfig:

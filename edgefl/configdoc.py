@@ -98,7 +98,7 @@ def reference() -> str:
     sections: list[tuple[str, type[BaseModel]]] = []
     for name, field in RunConfig.model_fields.items():
         nested = _nested(field.annotation)
-        if nested is not None and name != "method":
+        if nested is not None and name not in ("method", "filters"):
             sections.append((name, nested))
             for sub, subfield in nested.model_fields.items():
                 inner = _nested(subfield.annotation)
@@ -123,6 +123,17 @@ def reference() -> str:
         out += [f"#### `{spec.name}`", "", spec.description, ""]
         fields = spec.options_model.model_fields
         out += _table(spec.options_model) if fields else ["(no options)"]
+        out.append("")
+    out += ["", "### `[[filters]]`: each filter's options", "",
+            "Each `[[filters]]` entry names a filter (`name`); its other keys are that filter's options. Uploads pass the "
+            "filters in the order listed on the device and in reverse on the server (docs/filters.md).", ""]
+    from edgefl.filters import FILTERS
+
+    for name, cls in sorted(FILTERS.items()):
+        if not cls.__module__.startswith("edgefl.filters."):
+            continue  # registered by a program or a test, not shipped
+        out += [f"#### `{name}`", "", cls.summary, ""]
+        out += _table(cls.Options) if cls.Options.model_fields else ["(no options)"]
         out.append("")
     out += [END]
     return "\n".join(out) + "\n"

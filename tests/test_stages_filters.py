@@ -276,3 +276,15 @@ def test_an_asynchronous_run_refuses_a_stage_with_the_reason():
 
 def test_the_registry_knows_the_test_filters():
     assert {"test-halve", "test-echo", "test-needs-weights"} <= set(FILTERS)
+
+
+def test_edgefl_filters_lists_every_registered_filter_with_its_options():
+    from typer.testing import CliRunner
+
+    from edgefl.cli import app
+
+    result = CliRunner().invoke(app, ["filters"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for name in ("quantize", "topk", "test-halve", "test-echo"):
+        assert name in result.output
+    assert "factor (0.5)" in result.output and "[[filters]]" in result.output
