@@ -18,27 +18,14 @@ import queue
 import random
 import threading
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from edgefl.errors import BrokerUnreachable, EdgeflError
+from edgefl.transport.registry import BrokerAddress
 
 
-@dataclass(frozen=True)
-class BrokerAddress:
-    host: str
-    port: int
-    tls: bool = False
-
-    @classmethod
-    def parse(cls, url: str) -> BrokerAddress:
-        parsed = urlparse(url)
-        if parsed.scheme not in ("mqtt", "mqtts", "tcp") or not parsed.hostname:
-            raise EdgeflError(f"broker {url!r}: expected mqtt://HOST:PORT (or mqtts:// for TLS)")
-        tls = parsed.scheme == "mqtts"
-        return cls(parsed.hostname, parsed.port or (8883 if tls else 1883), tls)
-
-    def __str__(self) -> str:
-        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+#: the URL schemes this connection speaks (edgefl.transport.mqtt registers them); ``tcp`` is
+#: paho's name for plain MQTT, accepted as it always was
+MQTT_SCHEMES = {"mqtt": 1883, "mqtts": 8883, "tcp": 1883}
 
 
 def is_loopback(host: str) -> bool:
@@ -85,6 +72,8 @@ class Link:
         session_expiry_s: int = 3600,
         keepalive_s: int = 30,
     ) -> None:
+        if address.scheme not in MQTT_SCHEMES or address.port is None:  # memory://NAME parses too: not a broker to dial
+            raise EdgeflError(f"{address} is not an MQTT broker", hint="this connection needs mqtt://HOST:PORT or mqtts://HOST:PORT")
         import paho.mqtt.client as mqtt
 
         self._mqtt = mqtt

@@ -1,13 +1,16 @@
 """The transport interface over MQTT: one :class:`~edgefl.transport.link.Link` and the topic
 layout of docs/PROTOCOL.md (``dev/<id>/up``, ``dev/<id>/down``, retained ``round`` and
-``presence/<id>``)."""
+``presence/<id>``). Registered for ``mqtt://``, ``mqtts://`` and ``tcp://`` broker URLs
+(:mod:`edgefl.transport.registry`); the connection options (``max_packet_bytes``, ``keepalive_s``,
+``protocol``, ``username``, ``password``, ``ca_file``) are this module's alone."""
 
 from __future__ import annotations
 
 import logging
 
 from edgefl.transport.base import Delivery, DeviceTransport, ServerTransport
-from edgefl.transport.link import BrokerAddress, Link, open_broker_warning
+from edgefl.transport.link import MQTT_SCHEMES, BrokerAddress, Link, open_broker_warning
+from edgefl.transport.registry import register_transport
 from edgefl.transport.topics import Topics
 
 log = logging.getLogger("edgefl.transport")
@@ -96,3 +99,10 @@ class MqttDeviceTransport(DeviceTransport):
 
     def close(self) -> None:
         self.link.stop()
+
+
+for _scheme, _port in MQTT_SCHEMES.items():
+    # tcp:// is an alias: the URL shape it is answered with is mqtt://'s
+    register_transport(_scheme, MqttServerTransport.connect, MqttDeviceTransport.connect,
+                       example=f"{'mqtt' if _scheme == 'tcp' else _scheme}://HOST:PORT",
+                       default_port=_port, tls=_scheme == "mqtts")
