@@ -301,7 +301,8 @@ def fleet(
     config: Annotated[Optional[Path], typer.Argument(help="run config (TOML); omitted: the embedded preset")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="override a key, e.g. --set rounds=3 (repeatable)")] = [],  # noqa: B006
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory")] = None,
-    broker: Annotated[Optional[str], typer.Option(help="use this broker instead of starting mosquitto")] = None,
+    broker: Annotated[Optional[str], typer.Option(help="use this broker instead of starting mosquitto (memory://NAME: no broker, "
+                                                       "the devices are threads of this process)")] = None,
     preset: Annotated[str, typer.Option(help="embedded config when CONFIG is omitted")] = "demo",
     keep: Annotated[bool, typer.Option("--keep", help="keep the temporary folder (device logs, broker files) after a clean run too "
                                                       "(it is always kept when the run fails)")] = False,
@@ -310,12 +311,17 @@ def fleet(
     track: Track = None,
     dashboard: DashboardAt = None,
 ) -> None:
-    """A fleet on this machine: a broker, the server and one process per device, over MQTT."""
+    """A fleet on this machine: a broker, the server and one process per device, over MQTT (or,
+    with --broker memory://NAME, the server and one thread per device in this process)."""
     from edgefl.build import build_run
     from edgefl.config import load_config
     from edgefl.fleet.launcher import run_fleet
     from edgefl.rundir import RunDir
 
+    if broker is not None:
+        from edgefl.transport.registry import transport_for
+
+        transport_for(broker)  # a scheme of no transport is refused before anything is built or written
     cfg = load_config(config, _cli_overrides(set_, data_dir, track), preset)
     from edgefl.sim.engine import check_simulable
 
@@ -338,6 +344,20 @@ def fleet(
     _fail_on_failed_rounds(summary, run.path)
 
 
+#: --broker of edgefl server and client: the scheme picks the transport (edgefl.transport.registry)
+BROKER_HELP = "broker URL: mqtt://HOST:PORT, mqtts://HOST:PORT for TLS (docs/deploy.md)"
+
+
+def _reachable_broker(broker: str, command: str) -> None:
+    """Refuse, before anything is built or written, a broker URL of no registered transport
+    (naming those there are) or of one that only this process reaches (memory://)."""
+    from edgefl.transport.registry import transport_for
+
+    if transport_for(broker).in_process:
+        raise EdgeflError(f"edgefl {command} --broker {broker}: that transport reaches only this process, so nothing could join it",
+                          hint="a server and its devices in one process: edgefl fleet --broker " + broker)
+
+
 @contextmanager
 def _discarded_on_failure(run):
     """A run that fails before its first round (no broker, a bad password) leaves no run
@@ -356,7 +376,7 @@ def _discarded_on_failure(run):
 
 @app.command()
 def server(
-    broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT (mqtts:// for TLS)")],
+    broker: Annotated[str, typer.Option(help=BROKER_HELP)],
     config: Annotated[Path, typer.Option(help="run config (TOML)")],
     set_: Annotated[list[str], typer.Option("--set", help="override a key (repeatable)")] = [],  # noqa: B006
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="run directory")] = None,
@@ -381,6 +401,7 @@ def server(
     from edgefl.fleet.launcher import serve
     from edgefl.rundir import RunDir
 
+    _reachable_broker(broker, "server")
     cfg = load_config(config, _cli_overrides(set_, data_dir, track), "demo")
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
@@ -405,7 +426,7 @@ def server(
 
 @app.command()
 def client(
-    broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT (mqtts:// for TLS)")],
+    broker: Annotated[str, typer.Option(help=BROKER_HELP)],
     device_id: Annotated[str, typer.Option("--device-id", help="this device's id in the federation, e.g. client-3")],
     data: Annotated[Optional[Path], typer.Option(
         "--data", help="this device's own data (a folder of images per class, IDX files, a CSV/Parquet table, .npz or "
@@ -442,6 +463,7 @@ def client(
 
     from edgefl.fleet.launcher import device_state_dir, federation as federation_of, run_device, run_device_held
 
+    _reachable_broker(broker, "client")
     password = os.environ.get(password_env)
     user = username or (device_id if password else None)
     from edgefl.transport.signing import Verifier

@@ -5,6 +5,9 @@
 * :func:`run_device` -- ``edgefl client``: one device loop (:mod:`edgefl.device`) over MQTT (a Pi);
 * :func:`run_fleet` -- ``edgefl fleet``: a broker, the server and one process per device.
 
+The broker URL's scheme picks the transport (:mod:`edgefl.transport.registry`: ``mqtt://``,
+``mqtts://``, ``memory://`` and any a program registers); nothing here names one.
+
 Both sides build from the config with :mod:`edgefl.build`, as the simulation does, so a fleet and
 a simulation of one config hold identical devices and run the same loops; only the transport
 differs.
@@ -20,7 +23,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -84,7 +89,7 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     to resume after a crash; None keeps nothing)."""
     from edgefl.device import DeviceLoop
     from edgefl.device_state import DeviceStateStore
-    from edgefl.transport.mqtt import MqttDeviceTransport
+    from edgefl.transport.registry import device_transport
 
     if cfg.threads:
         import torch
@@ -97,9 +102,8 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     x_test, y_test = parts.x_test, parts.y_test
     del parts  # the whole data set: the device keeps its own samples and the test subset
     topics = Topics(federation(cfg))
-    transport = connect_retrying(lambda: MqttDeviceTransport.connect(
-        broker, topics, device_id, max_packet_bytes=packet_limit(cfg), keepalive_s=cfg.network.keepalive_s, protocol=cfg.network.protocol,
-        username=username, password=password, ca_file=ca_file), broker_wait_s)
+    options = connection_options(packet_limit(cfg), cfg.network.keepalive_s, cfg.network.protocol, username, password, ca_file)
+    transport = connect_retrying(lambda: device_transport(broker, topics, device_id, **options), broker_wait_s)
     try:
         store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
         loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store, verifier,
@@ -124,13 +128,12 @@ def run_device_held(device_id: str, broker: str, federation_name: str, data: Pat
     from edgefl.device_state import DeviceStateStore
     from edgefl.enrol import join_run, task_digest
     from edgefl.fleet.broker import MQTT_MAX_PACKET
-    from edgefl.transport.mqtt import MqttDeviceTransport
+    from edgefl.transport.registry import device_transport
 
     topics = Topics(federation_name)
     defaults = NetworkSettings()  # the task brings the run's own settings; these only carry the join
-    transport = connect_retrying(lambda: MqttDeviceTransport.connect(
-        broker, topics, device_id, max_packet_bytes=MQTT_MAX_PACKET, keepalive_s=defaults.keepalive_s, protocol=defaults.protocol,
-        username=username, password=password, ca_file=ca_file), broker_wait_s, say)
+    options = connection_options(MQTT_MAX_PACKET, defaults.keepalive_s, defaults.protocol, username, password, ca_file)
+    transport = connect_retrying(lambda: device_transport(broker, topics, device_id, **options), broker_wait_s, say)
     try:
         joined = join_run(transport, device_id, topics.federation, data, loader=loader, profile=profile, timeout_s=timeout_s, say=say,
                           verifier=verifier)
@@ -161,7 +164,7 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     the run already built, so a caller can check config and data before it creates anything;
     ``signing_key``: sign every message to the devices, edgefl.transport.signing)."""
     from edgefl.server.session import RunSession
-    from edgefl.transport.mqtt import MqttServerTransport
+    from edgefl.transport.registry import server_transport
     from edgefl.transport.signing import Signer, signing_transport
 
     signer = Signer.load(signing_key) if signing_key is not None else None  # a bad key file fails before anything starts
@@ -177,8 +180,8 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
                          deadline_s=cfg.network.round_deadline_s, on_event=on_event, save_state_each_round=True,
                          start_facts={"broker": broker})
     first = session.resume() if resume else 1
-    transport = MqttServerTransport.connect(broker, topics, max_packet_bytes=packet_limit(cfg), keepalive_s=cfg.network.keepalive_s,
-                                            protocol=cfg.network.protocol, username=username, password=password, ca_file=ca_file)
+    transport = server_transport(broker, topics, **connection_options(packet_limit(cfg), cfg.network.keepalive_s, cfg.network.protocol,
+                                                                      username, password, ca_file))
     session.endpoint.connect(signing_transport(transport, signer))
     if not resume:
         session.write_start()
@@ -199,15 +202,19 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
               on_event: Callable[[str, dict[str, Any]], None] | None = None, parts: RunParts | None = None,
               should_stop: Callable[[], bool] = lambda: False, keep: bool = False) -> dict[str, Any]:
     """A broker (mosquitto on a free loopback port unless ``broker`` is given), the server in this
-    process and one ``edgefl client`` process per device.
+    process and one ``edgefl client`` process per device; with an in-process transport
+    (``memory://NAME``) no broker and one thread per device instead.
 
     Their files (device logs and state, the broker's config and log) go into a temporary
     ``edgefl-fleet-*`` folder, removed after a clean run (every round complete, every device exited
     with 0) unless ``keep``; kept, and named, when anything failed (``summary["logs"]`` is None
     when it was removed)."""
     from edgefl.fleet.broker import mosquitto_binary, start_embedded, start_mosquitto
+    from edgefl.transport.registry import transport_for
 
     console = console or Console(stderr=True)
+    # a process of its own could not reach an in-process hub: its devices are threads of this one
+    in_process = broker is not None and transport_for(broker).in_process
     work = Path(tempfile.mkdtemp(prefix="edgefl-fleet-"))
     local = None
     if broker is None:
@@ -226,18 +233,21 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
     config_path.write_text(cfg.to_toml())
     ids = device_ids(cfg.fleet.num_clients)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, subprocess.Popen | _DeviceThread] = {}
     logs = work / "devices"
     logs.mkdir()
     clean = False
     try:
         for device in ids:
+            if in_process:
+                procs[device] = _DeviceThread(cfg, device, broker, device_timeout_s, work / "state" / device, logs / f"{device}.log")
+                continue
             with open(logs / f"{device}.log", "wb") as log:
                 procs[device] = subprocess.Popen(
                     [sys.executable, "-m", "edgefl", "client", "--broker", broker, "--config", str(config_path),
                      "--device-id", device, "--timeout", str(device_timeout_s), "--state-dir", str(work / "state" / device)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        console.print(f"started {len(procs)} device processes (logs in {logs})")
+        console.print(f"started {len(procs)} device {'threads' if in_process else 'processes'} (logs in {logs})")
         summary = serve(cfg, broker, run_dir, console, on_event, parts=parts, should_stop=should_stop)
         # devices exit by themselves after the run's "done"; an interrupted run announces none
         deadline = time.monotonic() + (0 if summary.get("interrupted") else 60)
@@ -268,6 +278,52 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
             shutil.rmtree(work, ignore_errors=True)
         else:  # a failure (or --keep): what the devices and the broker wrote is where it says
             console.print(f"device logs and broker files kept in {work}")
+
+
+class _DeviceThread:
+    """One device of an in-process fleet: :func:`run_device` in a thread, with the part of
+    ``subprocess.Popen`` that :func:`run_fleet` uses (an exit code: 0 returned, 1 raised, with
+    the traceback in its log). A thread cannot be stopped: one still running when the run ends
+    is left to stop at its own timeout, or with the process (a daemon)."""
+
+    def __init__(self, cfg: RunConfig, device: str, broker: str, timeout_s: float, state_dir: Path, log_path: Path) -> None:
+        self.code: int | None = None
+        self.left = False
+
+        def serve_device() -> None:
+            try:
+                run_device(cfg, device, broker, timeout_s, state_dir=state_dir)
+                self.code = 0
+            except BaseException:
+                log_path.write_text(traceback.format_exc())
+                self.code = 1
+
+        self.thread = threading.Thread(target=serve_device, name=f"edgefl-{device}", daemon=True)
+        self.thread.start()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.thread.join(0 if self.left else timeout)
+        if self.thread.is_alive():
+            raise subprocess.TimeoutExpired(self.thread.name, timeout or 0)
+        return self.code
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def terminate(self) -> None:
+        """Leave it (see the class): nothing waits for it any more."""
+        self.left = True
+
+    def kill(self) -> None:
+        self.left = True
+
+
+def connection_options(max_packet_bytes: int, keepalive_s: int, protocol: str, username: str | None, password: str | None,
+                       ca_file: str | None) -> dict[str, Any]:
+    """What every transport's factory is handed: MQTT's connection settings, which a transport
+    that needs fewer ignores (edgefl.transport.registry), so no caller asks which transport it is."""
+    return {"max_packet_bytes": max_packet_bytes, "keepalive_s": keepalive_s, "protocol": protocol, "username": username,
+            "password": password, "ca_file": ca_file}
 
 
 def packet_limit(cfg: RunConfig) -> int:
