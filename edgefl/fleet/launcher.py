@@ -1,6 +1,6 @@
 """Entry points of a fleet run: the server, one device, and a whole fleet on one machine.
 
-* :func:`serve` -- ``edgefl server``: the round loop (:mod:`edgefl.server.orchestrator`) over
+* :func:`serve` -- ``edgefl server``: the round policy over the endpoint (:mod:`edgefl.server.endpoint`) over
   MQTT (the GPU machine);
 * :func:`run_device` -- ``edgefl client``: one device loop (:mod:`edgefl.device`) over MQTT (a Pi);
 * :func:`run_fleet` -- ``edgefl fleet``: a broker, the server and one process per device.

@@ -1,4 +1,4 @@
-"""In-process simulation: the round loop a fleet server runs (:mod:`edgefl.server.orchestrator`)
+"""In-process simulation: the round loop a fleet server runs (:mod:`edgefl.server.rounds` over :mod:`edgefl.server.endpoint`)
 over an in-memory network whose devices are the same device loops a fleet's devices run
 (:mod:`edgefl.device`), with a virtual clock for fleets described by device classes.
 

@@ -7,9 +7,12 @@ quorum, deadlines) is written once, in :mod:`edgefl.server.endpoint` (with the r
 over it) and :mod:`edgefl.device`; implementations only move bytes (a simulated clock is handed
 to the policies apart: :mod:`edgefl.server.clock`):
 
-* :mod:`edgefl.transport.mqtt`: MQTT through a broker (fleets, real devices);
-* :mod:`edgefl.sim.network`: in memory, the device loops in this process, a virtual clock
+* :mod:`edgefl.transport.mqtt`: MQTT through a broker (fleets, real devices; ``mqtt://``, ``mqtts://``);
+* :mod:`edgefl.transport.memory`: an in-process hub (``memory://NAME``: server and devices as threads);
+* :mod:`edgefl.sim.network`: in memory, the device loops stepped in this process, a virtual clock
   (the simulation).
+
+A broker URL's scheme picks one through :mod:`edgefl.transport.registry`.
 """
 
 from __future__ import annotations
