@@ -497,11 +497,11 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
             hint=f"method {method.name!r} takes these options: {accepted}",
         ) from None
     for i, entry in enumerate(cfg.filters):
-        _check_filter(entry, i, method, source)
+        _check_filter(entry, i, method, source, cfg.method.options(), cfg.mode)
     return cfg
 
 
-def _check_filter(entry: FilterSettings, index: int, method, source: str) -> None:
+def _check_filter(entry: FilterSettings, index: int, method, source: str, cfg_method_options: dict[str, Any], mode: str) -> None:
     """A ``[[filters]]`` entry: a known name, options its filter accepts, and a method it can serve."""
     from edgefl.filters import FILTERS, get_filter
 
@@ -516,7 +516,7 @@ def _check_filter(entry: FilterSettings, index: int, method, source: str) -> Non
         accepted = ", ".join(cls.Options.model_fields) or "none"
         raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, cls.Options, f'filters.{index}')}",
                           hint=f"filter {entry.name!r} takes these options: {accepted}") from None
-    refusal = cls.refusal(options, method)
+    refusal = cls.refusal(options, method, method_options=cfg_method_options, mode=mode)
     if refusal:
         raise ConfigError(f"{source}: filter {entry.name!r} cannot serve this run: {refusal}",
                           hint=f"drop it from [[filters]] or choose another ({', '.join(sorted(FILTERS))})")

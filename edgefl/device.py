@@ -332,7 +332,7 @@ class DeviceLoop:
                             model_version=env.model_version, codec="safetensors", extra={"tensors": {}}))
 
     def _stage(self, env: Envelope) -> None:
-        """A stage request (:mod:`edgefl.server.stages`): answered by the filter or the client
+        """A stage request (:mod:`edgefl.stages`): answered by the filter or the client
         half that owns the stage, as an upload of kind ``stage``."""
         if env.message_id in self.handled:
             return

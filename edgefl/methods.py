@@ -38,6 +38,9 @@ class MethodSpec:
     asynchronous: bool = False
     #: devices may train a generator instead of a classifier (FedMHO's CVAE clients)
     generator_clients: bool = False
+    #: why the server cannot take only the sum of the uploads (secure aggregation refuses the
+    #: method with it); empty: the server only sums what devices send, so it can be secured
+    needs_individual_uploads: str = ""
 
     @staticmethod
     def _load(path: str) -> Any:
@@ -76,7 +79,7 @@ for _spec in (
         "edgefl.algorithms.local:LocalClient",
         "edgefl.server.methods.local:LocalServer",
         "edgefl.algorithms.local:LocalOptions",
-        uploads=("status",),
+        uploads=("status",), needs_individual_uploads="local-only shares nothing: there is no sum to secure",
     ),
     MethodSpec(
         "fedavg",
@@ -101,6 +104,8 @@ for _spec in (
         "edgefl.server.methods.fedin:FedINServer",
         "edgefl.algorithms.fedin:FedINOptions",
         uploads=("weights",), downloads=("weights",),
+        needs_individual_uploads="FedIN's server trains on each device's feature pairs (pairs.s_in / pairs.s_out), which cannot be "
+                                 "summed; FedAvg secures the weights of same-architecture groups",
     ),
     MethodSpec(
         "felo",
@@ -109,6 +114,8 @@ for _spec in (
         "edgefl.server.methods.felo:FeloServer",
         "edgefl.algorithms.felo:FeloOptions",
         uploads=("class_features",), downloads=("class_features",),
+        needs_individual_uploads="Felo's per-class features are not secured yet (only FedAvg, FedHe and CHFL are); run it without "
+                                 "secure aggregation",
     ),
     MethodSpec(
         "velo",
@@ -117,12 +124,14 @@ for _spec in (
         "edgefl.server.methods.felo:VeloServer",
         "edgefl.algorithms.felo:VeloOptions",
         uploads=("class_features",), downloads=("class_features",),
+        needs_individual_uploads="Velo's server trains its CVAE on each device's features, which a sum cannot give",
     ),
     *(
         MethodSpec(
             name, description, "edgefl.algorithms.fedmho:FedMHOClient", "edgefl.server.methods.fedmho:FedMHOServer",
             f"edgefl.algorithms.fedmho:{options}", uploads=("weights", "decoder"), downloads=("weights",),
             one_shot=True, generator_clients=True,
+            needs_individual_uploads="FedMHO's server samples from each device's CVAE decoder, which cannot be summed",
         )
         for name, options, description in (
             ("fedmho", "FedMHOOptions", "FedMHO (Yao et al.): one-shot; classifier clients + CVAE-decoder clients, server "
@@ -138,6 +147,7 @@ for _spec in (
         "edgefl.server.methods.fedmho:FedCVAEServer",
         "edgefl.algorithms.fedmho:FedCVAEOptions",
         uploads=("decoder",), one_shot=True, generator_clients=True,
+        needs_individual_uploads="FedCVAE-Ens samples from each device's CVAE decoder, which cannot be summed",
     ),
     MethodSpec(
         "chfl",

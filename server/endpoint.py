@@ -11,7 +11,7 @@ It owns what every policy needs the same way and nothing a policy decides:
 * sending: downloads (through the server-side filters), replies, announcements, and
   *exchanges*: a request sent to a set of devices whose replies are collected until all have
   answered or a deadline passes (evaluate requests, and the stages of
-  :mod:`edgefl.server.stages`).
+  :mod:`edgefl.stages`).
 
 A round policy (:mod:`edgefl.server.rounds`, :mod:`edgefl.server.asynchronous`) sits on top: it
 installs itself as the endpoint's :class:`Listener` and gets every checked upload and every

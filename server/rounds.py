@@ -28,7 +28,7 @@ from edgefl.server.policy import AfterRecord, RoundPolicy
 from edgefl.server.endpoint import Exchange
 from edgefl.server.records import Tally, timing_fields
 from edgefl.server.rejections import Rejections
-from edgefl.server.stages import Stage, StageFailed
+from edgefl.stages import Stage, StageFailed
 from edgefl.transport.envelope import Envelope
 
 log = logging.getLogger("edgefl.server")
@@ -94,9 +94,12 @@ class SyncRounds(RoundPolicy):
     """Plays a config's rounds (see the module docstring). ``stages``: the exchanges every round
     runs besides training, in order (from the filters and the method)."""
 
-    def __init__(self, *args: Any, stages: list[Stage] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stages: list[Stage] | None = None, collectors: list[Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stages = list(stages or [])
+        #: server-side filters that may take uploads in place of the server half (secure
+        #: aggregation), then hand it what they release after the round's stages
+        self.collectors = list(collectors or [])
         self.state: RoundState | None = None
         self.early: dict[str, tuple[Envelope, Message, int]] = {}  # device -> an upload for the next round
         # uploads for the next round are held only just after a restart (the broker delivers what
@@ -126,7 +129,7 @@ class SyncRounds(RoundPolicy):
         ep.announce(r, {**listed, "selected_count": len(selected), "target": st.target,
                         "deadline_unix": time.time() + self.deadline_s, "rounds": self.cfg.rounds, "done": False})
         outcome = "failed" if not self._run_stages(st, "before") else self._train(st, evaluate)
-        if outcome != "failed" and not self._run_stages(st, "after"):
+        if outcome != "failed" and not (self._run_stages(st, "after") and self._release(st)):
             outcome = "failed"
         st.closed_unix = time.time()
         if outcome == "failed":
@@ -191,6 +194,17 @@ class SyncRounds(RoundPolicy):
                 st.failure = str(exc)
                 self.on_event("stage_failed", {"round": st.round, "stage": stage.name, "reason": st.failure})
                 return False
+        return True
+
+    def _release(self, st: RoundState) -> bool:
+        """What the collectors release after the stages (the unmasked sums) goes to the server
+        half; False (the round fails, with the reason) when the server half refuses it."""
+        for collector in self.collectors:
+            for message in collector.release(st.round):
+                status, reason = self._half_receipt(message.sender, message)
+                if status == "rejected":
+                    st.failure = f"the server half refused what {type(collector).__name__} released: {reason}"
+                    return False
         return True
 
     def _pool(self) -> list[str]:
@@ -332,6 +346,17 @@ class SyncRounds(RoundPolicy):
             self.on_event("upload", {"device": device, "round": current, "status": receipt_status})
 
     def _server_receipt(self, device: str, message: Message) -> tuple[str, str]:
+        for collector in self.collectors:
+            try:
+                taken = collector.collect(message)
+            except Exception as exc:  # a filter's check that raised instead of answering: still a nack
+                log.exception("filter %s raised on %s's upload", type(collector).__name__, device)
+                return "rejected", f"server could not use the upload: {type(exc).__name__}: {exc}"
+            if taken is not None:
+                return taken.status, taken.reason
+        return self._half_receipt(device, message)
+
+    def _half_receipt(self, device: str, message: Message) -> tuple[str, str]:
         try:
             receipt = self.server.receive(message)
         except Exception as exc:  # a method's check that raised instead of answering: still a nack

@@ -82,9 +82,13 @@ class RunSession:
         self.endpoint = ServerEndpoint(net, self.spec, transport, parts.device_ids, federation,
                                        num_classes=getattr(self.server, "num_classes", None), max_epochs=cfg.max_epochs(),
                                        partial_max_age_s=age, filters=self.filters, on_event=events, enrolment=self.enrolment)
+        for f in self.filters:
+            f.prepare({"groups": summing_groups(self.spec, parts.slots), "seed": cfg.seed, "federation": federation,
+                       "num_classes": getattr(self.server, "num_classes", None)})
         self.policy: RoundPolicy = make_policy(cfg, self.spec, self.server, self.endpoint, self.evaluator,
                                                clock or _LateTransportClock(self.endpoint), deadline_s=deadline_s, profiles=profiles,
-                                               on_event=events, stages=[s for f in self.filters for s in f.server_stages()] + self.server.stages())
+                                               on_event=events, stages=[s for f in self.filters for s in f.server_stages()] + self.server.stages(),
+                                               collectors=self.filters)
         self.start = self._start_record(runner, federation, start_facts or {})
         self.trackers = Trackers(cfg, None)  # opened when the rounds start (run)
         #: each device's weights, where this process holds them (a simulation sets it): what ship.json picks from
@@ -265,7 +269,8 @@ class _LateTransportClock(TransportClock):
 
 
 def make_policy(cfg: RunConfig, spec, server, endpoint: ServerEndpoint, evaluator: Evaluator, clock: RunClock, *,
-                deadline_s: float, profiles: dict[str, str], on_event: EventSink, stages: list) -> RoundPolicy:
+                deadline_s: float, profiles: dict[str, str], on_event: EventSink, stages: list,
+                collectors: list | None = None) -> RoundPolicy:
     """The round policy of ``cfg.mode``: synchronous rounds (with their stages), or asynchronous updates."""
     if cfg.mode == "async":
         if stages:
@@ -274,7 +279,15 @@ def make_policy(cfg: RunConfig, spec, server, endpoint: ServerEndpoint, evaluato
                               hint='use mode = "sync" with this filter or method')
         return AsyncUpdates(cfg, spec, server, endpoint, evaluator, clock, deadline_s=deadline_s, profiles=profiles, on_event=on_event)
     return SyncRounds(cfg, spec, server, endpoint, evaluator, clock, deadline_s=deadline_s, profiles=profiles, on_event=on_event,
-                      stages=stages)
+                      stages=stages, collectors=collectors)
+
+
+def summing_groups(spec, slots: list[DeviceSlot]) -> dict[str, str]:
+    """device -> the group whose uploads a server sums together: an architecture for weight
+    methods (FedAvg averages within same-architecture groups), one group for knowledge methods."""
+    if "weights" in spec.uploads:
+        return {s.client_id: s.arch for s in slots}
+    return {s.client_id: "all" for s in slots}
 
 
 def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):

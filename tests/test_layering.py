@@ -112,7 +112,7 @@ def test_policies_import_the_endpoint_and_the_endpoint_imports_no_policy():
     endpoint and the transport know no policy; a policy knows no transport class (it is handed a
     clock and the endpoint) and calls nothing private of another module."""
     edges = _imports(_modules())
-    below_policies = ["edgefl.server.endpoint", "edgefl.server.stages", "edgefl.server.clock", "edgefl.server.records"]
+    below_policies = ["edgefl.server.endpoint", "edgefl.stages", "edgefl.server.clock", "edgefl.server.records"]
     below_policies += [m for m in edges if m.startswith(("edgefl.transport", "edgefl.filters"))]
     for module in below_policies:
         assert not any(t in POLICIES or t == "edgefl.server.session" for t in edges.get(module, ())), module

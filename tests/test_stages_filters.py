@@ -21,7 +21,7 @@ from edgefl.errors import ConfigError, PayloadError
 from edgefl.filters import FILTERS, Filter, FilterOptions, register_filter
 from edgefl.messages import Message
 from edgefl.rundir import RunDir
-from edgefl.server.stages import Stage
+from edgefl.stages import Stage
 from tests.conftest import digits_config
 from tests.test_every_method import _records
 
@@ -109,7 +109,7 @@ class NeedsWeights(Filter):
     Options = NeedsWeightsOptions
 
     @classmethod
-    def refusal(cls, options, spec) -> str | None:
+    def refusal(cls, options, spec, **run) -> str | None:
         return None if "weights" in spec.uploads else f"{spec.name} uploads {', '.join(spec.uploads)}, not weights"
 
 

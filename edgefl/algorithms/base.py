@@ -179,7 +179,7 @@ class ClientHalf(ABC):
         """Apply what the server sent without training (before evaluation or before :meth:`fit`)."""
 
     def answer_stage(self, stage: str, request: Message) -> Message | None:
-        """The reply to a stage request of this method's server half (:mod:`edgefl.server.stages`);
+        """The reply to a stage request of this method's server half (:mod:`edgefl.stages`);
         None: not a stage of this method."""
         return None
 

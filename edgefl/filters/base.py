@@ -15,7 +15,7 @@ network: it checks names, dtypes, shapes and ranges and raises :class:`PayloadEr
 reason (the message is refused with a nack, nothing else stops).
 
 A filter may also bring *stages* (request/reply exchanges within a round, before or after the
-training exchange; :mod:`edgefl.server.stages`): the server side lists them in
+training exchange; :mod:`edgefl.stages`): the server side lists them in
 :meth:`Filter.server_stages`, the device side answers them in :meth:`Filter.answer_stage`.
 """
 
@@ -60,9 +60,10 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
 
     # --- before the run ---------------------------------------------------------------------
     @classmethod
-    def refusal(cls, options: FilterOptions, spec: MethodSpec) -> str | None:
+    def refusal(cls, options: FilterOptions, spec: MethodSpec, **run: Any) -> str | None:
         """Why this filter cannot serve a run of ``spec``'s method (checked before the run
-        directory exists), or None."""
+        directory exists), or None. ``run`` tells more of the run: ``method_options`` (the
+        method's options as configured) and ``mode`` ("sync" or "async")."""
         return None
 
     # --- the device side ----------------------------------------------------------------------
@@ -96,7 +97,23 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         return message
 
     def server_stages(self) -> list[Any]:
-        """The stages this filter adds to every round (:class:`edgefl.server.stages.Stage`)."""
+        """The stages this filter adds to every round (:class:`edgefl.stages.Stage`)."""
+        return []
+
+    def prepare(self, run: dict[str, Any]) -> None:  # noqa: B027  (optional hook)
+        """Server side, before round 1: what the run knows that a filter may need (``groups``:
+        device -> the group whose uploads are summed together, ``seed``, ``federation``,
+        ``num_classes``)."""
+
+    def collect(self, message: Message) -> Any | None:
+        """Server side: take an upload instead of the method's server half (secure aggregation
+        keeps masked uploads until it can unmask their sum). Returns the receipt
+        (:class:`edgefl.server.methods.Receipt`), or None: not taken, the server half receives it."""
+        return None
+
+    def release(self, round_no: int) -> list[Message]:
+        """Server side, after the round's stages: what the server half receives in place of the
+        uploads this filter collected (the unmasked sums)."""
         return []
 
     def describe(self) -> dict[str, Any]:

@@ -142,7 +142,7 @@ class TopKFilter(Filter):
         self._shared_round = -1
 
     @classmethod
-    def refusal(cls, options: FilterOptions, spec: MethodSpec) -> str | None:
+    def refusal(cls, options: FilterOptions, spec: MethodSpec, **run: object) -> str | None:
         if not set(spec.uploads) & set(WEIGHT_KINDS):
             what = ", ".join(NOT_WEIGHTS.get(kind, kind) for kind in spec.uploads)
             return f"{spec.name} uploads {what}, not weights: top-k sparsifies weight changes; use quantize"

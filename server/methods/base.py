@@ -171,7 +171,7 @@ class ServerHalf(ABC):
 
     def stages(self) -> list[Any]:
         """Exchanges this method runs in every round besides training
-        (:class:`edgefl.server.stages.Stage`; the client half answers them in ``answer_stage``)."""
+        (:class:`edgefl.stages.Stage`; the client half answers them in ``answer_stage``)."""
         return []
 
     def write_artifacts(self, directory: Path) -> list[Path]:
