@@ -391,6 +391,9 @@ class SyncRounds(RoundPolicy):
             record["stages"] = st.stages
         if st.failure:
             record["failure"] = st.failure
+        facts = {type(c).name: f for c in self.collectors if (f := c.round_facts(st.round))}
+        if facts:
+            record["filters"] = facts
         if self.clock.virtual and any(d in self.profiles for d in st.selected):
             self._clock_record(record, st, clock_s)
         return record

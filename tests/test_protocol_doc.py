@@ -12,6 +12,7 @@ downloads, the envelope's header fields, and docs/config.md's ``[network]`` sect
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -324,7 +325,113 @@ def stage_upload() -> bytes:
                            message_id=ident(0x402)), 2)
 
 
+# --- secure aggregation (section 6.12): client-0 of a three-device group, k = 2 neighbours, t = 2 ----------
+SECAGG_IDS = {"client-0": 1, "client-1": 2, "client-2": 3}
+
+
+def _secagg_key(name: str):
+    from edgefl.secagg.keys import KeyPair
+
+    return KeyPair.from_private_bytes(hashlib.sha256(f"example key {name}".encode()).digest())
+
+
+def _u8(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def _stage_request(stage: str, n: int, message: Message) -> bytes:
+    return pack(Envelope("stage", FED, 2, "server", encode(message), ident(n), model_version=2, codec="safetensors",
+                         extra={"info": {"run": RUN, "stage": stage}}))
+
+
+def secagg_keys_request() -> bytes:
+    return _stage_request("secagg-keys", 0x501, Message("stage", 2, "server", {}, {"federation": FED}, message_id=ident(0x1501)))
+
+
+def secagg_keys_reply() -> bytes:
+    tensors = {"c_pk": _u8(_secagg_key("c0").public_bytes()), "s_pk": _u8(_secagg_key("s0").public_bytes())}
+    return _upload(Message("stage", 2, DEVICE, tensors, {"stage": "secagg-keys"}, message_id=ident(0x502)), 2)
+
+
+def secagg_shares_request() -> bytes:
+    keys = {"c_pk": torch.stack([_u8(_secagg_key(f"c{i}").public_bytes()) for i in (1, 2)]),
+            "s_pk": torch.stack([_u8(_secagg_key(f"s{i}").public_bytes()) for i in (1, 2)])}
+    meta = {"neighbours": ["client-1", "client-2"], "x": SECAGG_IDS, "threshold": 2, "modulus_bits": 34}
+    return _stage_request("secagg-shares", 0x503, Message("stage", 2, "server", keys, meta, message_id=ident(0x1503)))
+
+
+def _sealed_bundles() -> list[bytes]:
+    from edgefl.secagg import keys, shamir
+
+    fixed = iter(range(7, 1000))
+    draw = lambda n: next(fixed) % n  # noqa: E731  (a fixed polynomial: the example stays the same)
+    s_shares = shamir.split(_secagg_key("s0").private_bytes(), 2, [2, 3], draw)
+    b_shares = shamir.split(bytes(range(32)), 2, [2, 3], draw)
+    context = f"edgefl-secagg|{FED}".encode()
+    out = []
+    for name, x in (("c1", 2), ("c2", 3)):
+        key = keys.share_encryption_key(_secagg_key("c0").agree(_secagg_key(name).public_bytes()), 2, context)
+        out.append(keys.seal_bundle(key, s_shares[x] + b_shares[x], round_no=2, sender=1, recipient=x, context=context,
+                                    nonce=bytes(11) + bytes([x])))
+    return out
+
+
+def secagg_shares_reply() -> bytes:
+    sealed = _sealed_bundles()
+    tensors = {"sealed": torch.stack([_u8(b) for b in sealed])}
+    return _upload(Message("stage", 2, DEVICE, tensors, {"to": ["client-1", "client-2"], "width": len(sealed[0]),
+                                                          "stage": "secagg-shares"}, message_id=ident(0x504)), 2)
+
+
+def secagg_download() -> bytes:
+    sealed = _sealed_bundles()  # as if client-1 and client-2 had sealed these for client-0
+    message = Message("class_logits", 2, "server", {"logits": torch.tensor([[1.5, -0.5], [-1.0, 2.0]]),
+                                                     "mask": torch.tensor([True, True]),
+                                                     ".secagg/shares": torch.stack([_u8(b) for b in sealed])},
+                      {"filter.secagg": {"from": ["client-1", "client-2"], "widths": [len(b) for b in sealed]}},
+                      message_id=ident(0x1505))
+    return pack(Envelope("download", FED, 2, "server", encode(message), ident(0x505), model_version=2, codec="safetensors",
+                         extra={"info": {"run": RUN}}))
+
+
+def secagg_masked_upload() -> bytes:
+    layout = {"kind": "class_logits", "entries": [["logits", [2, 2], "F32"], ["__present", [2], "F64"]]}
+    masked = torch.tensor([9_127_312_845, 3_518_004_112, 17_003_223_951, 611_839_204, 12_446_980_013, 5_099_871_326])
+    meta = {"num_samples": 1, "train_loss": 0.5, "filter.secagg": {"layout": layout, "modulus_bits": 34}}
+    return _upload(Message("class_logits", 2, DEVICE, {".secagg/masked": masked}, meta, message_id=ident(0x506)), 2)
+
+
+def secagg_unmask_request() -> bytes:
+    meta = {"survivors": ["client-1"], "dropped": ["client-2"]}
+    return _stage_request("secagg-unmask", 0x507, Message("stage", 2, "server", {}, meta, message_id=ident(0x1507)))
+
+
+def secagg_unmask_reply() -> bytes:
+    from edgefl.secagg import shamir
+
+    fixed = iter(range(11, 1000))
+    draw = lambda n: next(fixed) % n  # noqa: E731
+    b_share = shamir.split(bytes(range(1, 33)), 2, [1, 2], draw)[1]  # client-1's self-mask seed, the share client-0 holds
+    s_share = shamir.split(_secagg_key("s2").private_bytes(), 2, [1, 3], draw)[1]  # client-2's mask key, client-0's share
+    tensors = {"b_shares": _u8(b_share).unsqueeze(0), "s_shares": _u8(s_share).unsqueeze(0)}
+    return _upload(Message("stage", 2, DEVICE, tensors, {"survivors": ["client-1"], "dropped": ["client-2"],
+                                                          "stage": "secagg-unmask"}, message_id=ident(0x508)), 2)
+
+
 EXAMPLES: dict[str, Callable[[], str]] = {
+    "secagg-keys-request": lambda: envelope_text(f"stage on {DOWN}: round 2's secagg-keys", secagg_keys_request()),
+    "secagg-keys-reply": lambda: envelope_text(f"upload on {UP}: client-0's two public keys", secagg_keys_reply()),
+    "secagg-shares-request": lambda: envelope_text(f"stage on {DOWN}: secagg-shares, client-0's neighbours and their keys",
+                                                   secagg_shares_request()),
+    "secagg-shares-reply": lambda: envelope_text(f"upload on {UP}: client-0's sealed share bundles, one per neighbour",
+                                                 secagg_shares_reply()),
+    "secagg-download": lambda: envelope_text(f"download on {DOWN}: FedHe's round-2 download with the bundles sealed for client-0",
+                                             secagg_download()),
+    "secagg-masked-upload": lambda: envelope_text(f"upload on {UP}: client-0's masked FedHe upload (C = 2)", secagg_masked_upload()),
+    "secagg-unmask-request": lambda: envelope_text(f"stage on {DOWN}: secagg-unmask (client-1 uploaded, client-2 dropped)",
+                                                   secagg_unmask_request()),
+    "secagg-unmask-reply": lambda: envelope_text(f"upload on {UP}: client-0's share of client-1's seed and of client-2's key",
+                                                 secagg_unmask_reply()),
     "stage-request": lambda: envelope_text(f"stage on {DOWN}: round 2's stage 'ping' asks for an echo", stage_request()),
     "upload-stage": lambda: envelope_text(f"upload on {UP} answering it", stage_upload()),
     "signed-ack": signed_text,

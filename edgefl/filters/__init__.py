@@ -46,9 +46,10 @@ def build_chain(entries: list[tuple[str, dict[str, Any]]], side: Side, seed: int
 # the built-in filters (registered here, not in their modules: they import only edgefl.filters.base,
 # so the package and its modules import no cycle)
 from edgefl.filters.quantize import QuantizeFilter  # noqa: E402
+from edgefl.filters.secagg import SecAgg  # noqa: E402
 from edgefl.filters.topk import TopKFilter  # noqa: E402
 
-for _builtin in (QuantizeFilter, TopKFilter):
+for _builtin in (QuantizeFilter, SecAgg, TopKFilter):
     register_filter(_builtin)
 
 __all__ = ["FILTERS", "Filter", "FilterOptions", "Side", "build_chain", "get_filter", "register_filter"]

@@ -111,6 +111,11 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         (:class:`edgefl.server.methods.Receipt`), or None: not taken, the server half receives it."""
         return None
 
+    def round_facts(self, round_no: int) -> dict[str, Any]:
+        """Server side: what the round's metrics record says of this filter (``filters.<name>``);
+        empty: nothing."""
+        return {}
+
     def release(self, round_no: int) -> list[Message]:
         """Server side, after the round's stages: what the server half receives in place of the
         uploads this filter collected (the unmasked sums)."""

@@ -33,6 +33,7 @@ from typing import Any
 
 from edgefl.config import RunConfig
 from edgefl.device import DeviceLoop
+from edgefl.filters import build_chain
 from edgefl.errors import EdgeflError
 from edgefl.fleet.templates import TemplateClient, UploadTemplates
 from edgefl.transport.link import BrokerAddress, Link
@@ -143,7 +144,9 @@ class Swarm:
         link.on_connected = self._count_connect
         transport = _HeldTransport(link, self.topics, device_id)
         template = TemplateClient(device_id, self.templates)
-        loop = DeviceLoop(template, transport, self.topics.federation, self.cfg.network)  # type: ignore[arg-type]
+        # the run's filter chain runs in every protocol-level device too (secure aggregation's stages, compression)
+        loop = DeviceLoop(template, transport, self.topics.federation, self.cfg.network,  # type: ignore[arg-type]
+                          filters=build_chain(self.cfg.filter_chain(), "device", self.cfg.seed, device_id))
         dev = _Device(device_id, link, transport, loop, random.Random(f"{self.settings.seed}:{device_id}"))
         template.on_fit = lambda round_no: self._trained(dev, round_no)
         return dev
