@@ -114,8 +114,6 @@ for _spec in (
         "edgefl.server.methods.felo:FeloServer",
         "edgefl.algorithms.felo:FeloOptions",
         uploads=("class_features",), downloads=("class_features",),
-        needs_individual_uploads="Felo's per-class features are not secured yet (only FedAvg, FedHe and CHFL are); run it without "
-                                 "secure aggregation",
     ),
     MethodSpec(
         "velo",

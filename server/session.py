@@ -283,9 +283,9 @@ def make_policy(cfg: RunConfig, spec, server, endpoint: ServerEndpoint, evaluato
 
 
 def summing_groups(spec, slots: list[DeviceSlot]) -> dict[str, str]:
-    """device -> the group whose uploads a server sums together: an architecture for weight
-    methods (FedAvg averages within same-architecture groups), one group for knowledge methods."""
-    if "weights" in spec.uploads:
+    """device -> the group whose uploads a server sums together: an architecture for methods that
+    share weights (FedAvg, Felo: averaged within same-architecture groups), one group otherwise."""
+    if "weights" in spec.uploads or "class_features" in spec.uploads:  # Felo averages its weights per architecture too
         return {s.client_id: s.arch for s in slots}
     return {s.client_id: "all" for s in slots}
 

@@ -40,7 +40,7 @@ def _overall(records: list[dict]) -> list[float]:
     return [r["accuracy"]["overall"] for r in records if r.get("accuracy")]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedhe", "chfl"])
+@pytest.mark.parametrize("method", ["fedavg", "fedhe", "chfl", "felo"])
 def test_a_secured_run_gives_the_plain_run_s_numbers(method, tmp_path):
     from edgefl.sim import Simulation
 
@@ -155,7 +155,7 @@ def test_one_masked_upload_reveals_nothing_without_t_shares():
     assert float(np.std(masked.astype(np.float64))) > 100 * float(np.std(codes.astype(np.float64)))
 
 
-@pytest.mark.parametrize("method", ["fedin", "velo", "fedmho", "fedcvae", "local", "felo"])
+@pytest.mark.parametrize("method", ["fedin", "velo", "fedmho", "fedcvae", "local"])
 def test_methods_whose_server_needs_individual_uploads_are_refused_before_the_run(method):
     with pytest.raises(ConfigError, match="cannot be secured by summing") as caught:
         _config(method, {})
@@ -240,3 +240,34 @@ def test_a_secured_fedhe_fleet_of_edgefl_client_processes_matches_the_simulation
     sim_records, fleet_records = _records(tmp_path / "sim"), _records(tmp_path / "fleet")
     assert fleet_records == sim_records
     assert all(r["filters"]["secagg"]["secured"] for r in sim_records)
+
+
+def test_a_device_that_restarts_mid_round_drops_out_of_that_round_only(monkeypatch):
+    """A device process that restarts after sharing its keys has lost them: it refuses the round's
+    download (its shares name keys it no longer holds), counts as dropped after sharing, and the
+    round closes with the others' sum; in the next round it takes part again."""
+    from edgefl.sim import Simulation
+
+    cfg = _config("fedavg", {"neighbours": 4, "threshold": 2}, rounds=2, mlps_only=True)
+    sim = Simulation(cfg, show_progress=False)
+    real_in = SecAgg.download_in
+
+    def download_in(self, message):
+        if self.device == "client-2" and message.round == 1 and ".secagg/shares" in message.tensors:
+            self._mine = None  # the process restarted: its round-1 keys are gone
+        return real_in(self, message)
+
+    monkeypatch.setattr(SecAgg, "download_in", download_in)
+    first = sim.run_round(1)
+    assert first["outcome"] in ("complete", "deadline") and "client-2" not in first["reported"]
+    groups = first["filters"]["secagg"]["groups"]
+    assert sorted(d for g in groups.values() for d in g["dropped_after_sharing"]) == ["client-2"]
+    second = sim.run_round(2)
+    assert second["outcome"] == "complete" and "client-2" in second["reported"]
+
+
+def test_the_forms_know_felo_s_knowledge_prefix():
+    from edgefl.algorithms.felo import KNOWLEDGE
+    from edgefl.secagg import forms
+
+    assert forms.KNOWLEDGE == KNOWLEDGE

@@ -11,6 +11,10 @@ secured when its server only needs that sum (``MethodSpec.needs_individual_uploa
   sample, and a 0/1 vector of the classes it has. The server gets per-class sums and how many
   devices hold each class, so it learns neither which device holds which class nor any device's
   logits; the per-class mean over devices is FedHe's Eq. 10 (uniform weighting).
+* ``class_features`` (Felo): the weights as for FedAvg, and for *every* class the mean feature
+  and mean logits times the device's count of that class (zeros where it has none) and the
+  counts. The server half receives, per architecture group, the count-weighted per-class means
+  and total counts: one report per class and group where the plain run has one per device.
 
 The form is a flat float64 vector in a fixed order (:class:`Layout`, sent in the clear: it names
 tensors and shapes, which the server knows anyway).
@@ -27,7 +31,8 @@ from edgefl.messages import Message
 
 WEIGHT = "__n"  # the sample count that weights a mean
 PRESENT = "__present"  # FedHe: which classes a device holds (0/1)
-KINDS = ("weights", "head", "class_logits")
+KNOWLEDGE = "class."  # Felo's per-class tensors (edgefl.algorithms.felo.KNOWLEDGE)
+KINDS = ("weights", "head", "class_logits", "class_features")
 _DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
            "I32": torch.int32}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -84,6 +89,8 @@ def to_sum_form(message: Message) -> tuple[torch.Tensor, Layout]:
         parts = [t[k].detach().to(torch.float64).reshape(-1) * n for k in names] + [torch.tensor([n], dtype=torch.float64)]
         entries = tuple((k, tuple(t[k].shape), _NAMES.get(t[k].dtype, "F32")) for k in names) + ((WEIGHT, (1,), "F64"),)
         return torch.cat(parts), Layout(message.kind, entries)
+    if message.kind == "class_features":
+        return _felo_form(message)
     if message.kind == "class_logits":
         logits, classes = t["logits"], t["classes"]
         c = int(logits.shape[1])
@@ -97,6 +104,30 @@ def to_sum_form(message: Message) -> tuple[torch.Tensor, Layout]:
     raise ValueError(f"{message.kind} uploads cannot be secured by summing")
 
 
+def _felo_form(message: Message) -> tuple[torch.Tensor, Layout]:
+    t = message.tensors
+    n = float(message.num_samples)
+    if n <= 0:
+        raise ValueError("an upload to secure needs its positive num_samples")
+    feats, logits = t[KNOWLEDGE + "features"], t[KNOWLEDGE + "logits"]
+    classes, counts = t[KNOWLEDGE + "classes"], t[KNOWLEDGE + "counts"].to(torch.float64)
+    c, f = int(logits.shape[1]), int(feats.shape[1])
+    full_f = torch.zeros(c, f, dtype=torch.float64)
+    full_l = torch.zeros(c, c, dtype=torch.float64)
+    full_n = torch.zeros(c, dtype=torch.float64)
+    if len(classes):
+        full_f[classes] = feats.detach().to(torch.float64) * counts.unsqueeze(1)
+        full_l[classes] = logits.detach().to(torch.float64) * counts.unsqueeze(1)
+        full_n[classes] = counts
+    names = sorted(k for k in t if not k.startswith(KNOWLEDGE))
+    parts = [t[k].detach().to(torch.float64).reshape(-1) * n for k in names]
+    parts += [torch.tensor([n], dtype=torch.float64), full_f.reshape(-1), full_l.reshape(-1), full_n]
+    entries = tuple((k, tuple(t[k].shape), _NAMES.get(t[k].dtype, "F32")) for k in names) + (
+        (WEIGHT, (1,), "F64"), (KNOWLEDGE + "features", (c, f), "F32"), (KNOWLEDGE + "logits", (c, c), "F32"),
+        (KNOWLEDGE + "counts", (c,), "I64"))
+    return torch.cat(parts), Layout("class_features", entries)
+
+
 def from_sum(total: torch.Tensor, layout: Layout, round_no: int, sender: str, survivors: int) -> Message:
     """The message the method's server half receives in place of the survivors' uploads: what
     one device holding the whole sum would send (a mean weighted by the summed sample counts)."""
@@ -107,6 +138,8 @@ def from_sum(total: torch.Tensor, layout: Layout, round_no: int, sender: str, su
         parts[name] = total[at:at + n].reshape(shape)
         at += n
     meta: dict[str, Any] = {"secure_aggregate": survivors}
+    if layout.kind == "class_features":
+        return _felo_message(parts, layout, round_no, sender, meta)
     if layout.kind in ("weights", "head"):
         weight = float(parts.pop(WEIGHT).item())
         if weight <= 0.5:
@@ -125,3 +158,23 @@ def from_sum(total: torch.Tensor, layout: Layout, round_no: int, sender: str, su
     counts = present[classes]
     return Message("class_logits", round_no, sender, {"logits": logits, "classes": classes, "counts": counts},
                    {**meta, "num_samples": max(1, int(counts.sum()))})
+
+
+def _felo_message(parts: dict[str, torch.Tensor], layout: Layout, round_no: int, sender: str, meta: dict[str, Any]) -> Message:
+    weight = float(parts[WEIGHT].item())
+    if weight <= 0.5:
+        raise ValueError("the secure sum holds no samples")
+    counts = parts[KNOWLEDGE + "counts"].round().to(torch.int64)
+    classes = torch.nonzero(counts > 0).flatten()
+    divisor = counts[classes].unsqueeze(1).to(torch.float64)
+    tensors: dict[str, torch.Tensor] = {
+        KNOWLEDGE + "features": (parts[KNOWLEDGE + "features"][classes] / divisor).to(torch.float32),
+        KNOWLEDGE + "logits": (parts[KNOWLEDGE + "logits"][classes] / divisor).to(torch.float32),
+        KNOWLEDGE + "classes": classes, KNOWLEDGE + "counts": counts[classes]}
+    for name, _shape, dtype in layout.entries:
+        if name == WEIGHT or name.startswith(KNOWLEDGE):
+            continue
+        mean = parts[name] / weight
+        target = _DTYPES[dtype]
+        tensors[name] = mean.round().to(target) if not target.is_floating_point else mean.to(target)
+    return Message("class_features", round_no, sender, tensors, {**meta, "num_samples": max(1, round(weight))})
