@@ -496,12 +496,16 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
             f"{source} is invalid:\n{format_validation_error(exc, method.options_model, 'method')}",
             hint=f"method {method.name!r} takes these options: {accepted}",
         ) from None
+    names = [f.name for f in cfg.filters]
+    n = cfg.fleet.num_clients
+    run = {"method_options": cfg.method.options(), "mode": cfg.mode, "rounds": cfg.rounds, "chain": names,
+           "sample_rate": cfg.fleet.selection_size(n) / n if n else 1.0}
     for i, entry in enumerate(cfg.filters):
-        _check_filter(entry, i, method, source, cfg.method.options(), cfg.mode)
+        _check_filter(entry, i, method, source, run)
     return cfg
 
 
-def _check_filter(entry: FilterSettings, index: int, method, source: str, cfg_method_options: dict[str, Any], mode: str) -> None:
+def _check_filter(entry: FilterSettings, index: int, method, source: str, run: dict[str, Any]) -> None:
     """A ``[[filters]]`` entry: a known name, options its filter accepts, and a method it can serve."""
     from edgefl.filters import FILTERS, get_filter
 
@@ -516,7 +520,7 @@ def _check_filter(entry: FilterSettings, index: int, method, source: str, cfg_me
         accepted = ", ".join(cls.Options.model_fields) or "none"
         raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, cls.Options, f'filters.{index}')}",
                           hint=f"filter {entry.name!r} takes these options: {accepted}") from None
-    refusal = cls.refusal(options, method, method_options=cfg_method_options, mode=mode)
+    refusal = cls.refusal(options, method, **run)
     if refusal:
         raise ConfigError(f"{source}: filter {entry.name!r} cannot serve this run: {refusal}",
                           hint=f"drop it from [[filters]] or choose another ({', '.join(sorted(FILTERS))})")

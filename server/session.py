@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import logging
 import time
 from collections.abc import Callable
@@ -82,9 +83,13 @@ class RunSession:
         self.endpoint = ServerEndpoint(net, self.spec, transport, parts.device_ids, federation,
                                        num_classes=getattr(self.server, "num_classes", None), max_epochs=cfg.max_epochs(),
                                        partial_max_age_s=age, filters=self.filters, on_event=events, enrolment=self.enrolment)
+        groups = summing_groups(self.spec, parts.slots)
+        n = len(parts.device_ids)
+        selected = cfg.fleet.selection_size(n) if n else 0
+        expected = {g: max(1, math.ceil(list(groups.values()).count(g) * selected / n)) for g in set(groups.values())} if n else {}
         for f in self.filters:
-            f.prepare({"groups": summing_groups(self.spec, parts.slots), "seed": cfg.seed, "federation": federation,
-                       "num_classes": getattr(self.server, "num_classes", None)})
+            f.prepare({"groups": groups, "seed": cfg.seed, "federation": federation, "num_classes": getattr(self.server, "num_classes", None),
+                       "rounds": cfg.rounds, "sample_rate": selected / n if n else 1.0, "expected_per_group": expected})
         self.policy: RoundPolicy = make_policy(cfg, self.spec, self.server, self.endpoint, self.evaluator,
                                                clock or _LateTransportClock(self.endpoint), deadline_s=deadline_s, profiles=profiles,
                                                on_event=events, stages=[s for f in self.filters for s in f.server_stages()] + self.server.stages(),

@@ -40,16 +40,20 @@ def build_chain(entries: list[tuple[str, dict[str, Any]]], side: Side, seed: int
     for name, options in entries:
         cls = get_filter(name)
         chain.append(cls(cls.Options.model_validate(options), side=side, seed=seed, device=device))
+    names = tuple(f.name for f in chain)
+    for f in chain:
+        f.chain = names  # a filter may act differently beside another (DP noise under secure aggregation)
     return chain
 
 
 # the built-in filters (registered here, not in their modules: they import only edgefl.filters.base,
 # so the package and its modules import no cycle)
+from edgefl.filters.dp import DPFedAvg  # noqa: E402
 from edgefl.filters.quantize import QuantizeFilter  # noqa: E402
 from edgefl.filters.secagg import SecAgg  # noqa: E402
 from edgefl.filters.topk import TopKFilter  # noqa: E402
 
-for _builtin in (QuantizeFilter, SecAgg, TopKFilter):
+for _builtin in (DPFedAvg, QuantizeFilter, SecAgg, TopKFilter):
     register_filter(_builtin)
 
 __all__ = ["FILTERS", "Filter", "FilterOptions", "Side", "build_chain", "get_filter", "register_filter"]

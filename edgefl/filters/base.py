@@ -57,13 +57,15 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         self.side = side
         self.seed = seed
         self.device = device  # the device this instance runs on (device side); None on the server
+        self.chain: tuple[str, ...] = ()  # the names of the whole chain, in order (set by build_chain)
 
     # --- before the run ---------------------------------------------------------------------
     @classmethod
     def refusal(cls, options: FilterOptions, spec: MethodSpec, **run: Any) -> str | None:
         """Why this filter cannot serve a run of ``spec``'s method (checked before the run
         directory exists), or None. ``run`` tells more of the run: ``method_options`` (the
-        method's options as configured) and ``mode`` ("sync" or "async")."""
+        method's options as configured), ``mode`` ("sync" or "async"), ``rounds``,
+        ``sample_rate`` (the share of devices a round selects) and ``chain`` (the filters' names, in order)."""
         return None
 
     # --- the device side ----------------------------------------------------------------------
@@ -103,7 +105,8 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
     def prepare(self, run: dict[str, Any]) -> None:  # noqa: B027  (optional hook)
         """Server side, before round 1: what the run knows that a filter may need (``groups``:
         device -> the group whose uploads are summed together, ``seed``, ``federation``,
-        ``num_classes``)."""
+        ``num_classes``, ``rounds``, ``sample_rate``: the share of devices a round selects,
+        ``expected_per_group``: the devices a round expects from each group)."""
 
     def collect(self, message: Message) -> Any | None:
         """Server side: take an upload instead of the method's server half (secure aggregation

@@ -1,0 +1,224 @@
+"""Device-level differential privacy for weight methods: DP-FedAvg (McMahan et al., ICLR 2018).
+
+Each device's update (its trained weights minus the weights it downloaded) is clipped to L2 norm
+``clip`` over all its float tensors, and devices are averaged uniformly (each counts once: the
+sensitivity of the sum to one device is then ``clip``). Gaussian noise N(0, (z clip)^2) goes on
+the sum of the round's updates, z the noise multiplier:
+
+* without secure aggregation the server adds it: this filter's server side takes the clipped
+  updates instead of the method, checks each norm, and hands FedAvg's server half the noisy mean
+  per architecture group (``w + (sum of updates + noise) / m``);
+* with secure aggregation (``secagg`` later in the chain) the server never sees an update, so the
+  noise is added on the devices: each adds N(0, (z clip)^2 / e), e the devices a round expects in
+  its group, and the unmasked sum carries the intended N(0, (z clip)^2) when all e report (fewer
+  reports carry less noise: the accountant assumes the full amount; over-select to keep it).
+
+The accountant (:mod:`edgefl.privacy.accounting`) composes one release per round with sampling
+rate q (the share of devices a round selects) into epsilon at ``delta``; every record carries it
+(``filters.dp-fedavg``). With ``target_epsilon`` the noise multiplier is derived from the planned
+rounds, or a given one is checked against it before the run starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import Field, model_validator
+
+from edgefl.errors import PayloadError
+from edgefl.filters.base import Filter, FilterOptions
+from edgefl.messages import Message
+from edgefl.privacy.accounting import Gaussian, noise_for
+from edgefl.seeding import derive_seed
+
+META = "filter.dp-fedavg"
+
+
+class DPFedAvgOptions(FilterOptions):
+    clip: float = Field(1.0, gt=0, le=1e6, description="L2 norm each device's update is clipped to (over all its float tensors)")
+    noise_multiplier: float | None = Field(None, ge=0, le=1e4, description="z: the noise on the sum has standard deviation "
+                                           "z x clip (None: derived from target_epsilon)")
+    target_epsilon: float | None = Field(None, gt=0, le=1e4, description="epsilon the whole run may spend at delta: derives "
+                                         "the noise multiplier from the planned rounds, or refuses a run whose given one spends more")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; below 1 / devices")
+
+    @model_validator(mode="after")
+    def _noise_or_target(self) -> DPFedAvgOptions:
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise ValueError("give noise_multiplier or target_epsilon (or both, to check one against the other)")
+        return self
+
+
+@dataclass
+class _Collected:
+    updates: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> running sum of clipped updates (flat, float64)
+    counts: dict[str, int] = field(default_factory=dict)
+    ids: dict[str, str] = field(default_factory=dict)  # device -> message id
+
+
+class DPFedAvg(Filter):
+    name = "dp-fedavg"
+    Options = DPFedAvgOptions
+    summary = "device-level DP-FedAvg: updates clipped to an L2 norm, Gaussian noise on their sum, epsilon accounted"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.noise_multiplier = self.options.noise_multiplier  # set from target_epsilon in prepare() when None
+        self._reference: dict[str, torch.Tensor] | None = None  # device: the weights it downloaded
+        self._round_reference: dict[str, dict[str, torch.Tensor]] = {}  # server: group -> weights sent this round
+        self._groups: dict[str, str] = {}
+        self._expected: dict[str, int] = {}
+        self._sample_rate = 1.0
+        self._rounds = 1
+        self._round = -1
+        self._collected = _Collected()
+        self._released = 0  # rounds whose noisy sum was released (what the accountant counts)
+
+    @classmethod
+    def refusal(cls, options: FilterOptions, spec: Any, **run: Any) -> str | None:
+        assert isinstance(options, DPFedAvgOptions)
+        if spec.uploads != ("weights",) or spec.needs_individual_uploads:
+            return (f"{spec.name} uploads {', '.join(spec.uploads)}: DP-FedAvg clips and noises weight updates of methods whose "
+                    "server averages them (fedavg); knowledge methods take local-dp")
+        if run.get("mode") == "async":
+            return 'DP-FedAvg accounts one noisy sum per round: use mode = "sync"'
+        rounds, q = int(run.get("rounds", 1)), float(run.get("sample_rate", 1.0))
+        if options.noise_multiplier is not None and options.target_epsilon is not None:
+            spent = Gaussian(options.noise_multiplier, q, rounds).epsilon(options.delta)
+            if spent > options.target_epsilon:
+                return (f"noise_multiplier {options.noise_multiplier:g} spends epsilon {spent:.3g} over the planned {rounds} rounds, "
+                        f"more than target_epsilon {options.target_epsilon:g}: raise the noise, lower rounds, or drop "
+                        "noise_multiplier to derive it")
+        chain = list(run.get("chain", []))
+        if "secagg" in chain and chain.index("secagg") < chain.index(cls.name):
+            return "put dp-fedavg before secagg in [[filters]]: the noise must be added before the upload is masked"
+        return None
+
+    # --- the device side ----------------------------------------------------------------------------
+    def download_in(self, message: Message) -> Message:
+        info = message.meta.get(META)
+        if message.kind == "weights" and message.tensors:
+            self._reference = {k: v.detach().clone() for k, v in message.tensors.items() if v.is_floating_point()}
+        if not isinstance(info, dict):
+            return message
+        z, share = info.get("noise_multiplier"), info.get("share")
+        if not isinstance(z, (int, float)) or isinstance(z, bool) or not 0 <= z <= 1e4 \
+                or not isinstance(share, int) or isinstance(share, bool) or not 1 <= share <= 1 << 24:
+            raise PayloadError("dp-fedavg: a download's noise settings are a noise multiplier in [0, 1e4] and a share count")
+        self.noise_multiplier, self._share = float(z), int(share)
+        return Message(message.kind, message.round, message.sender, message.tensors,
+                       {k: v for k, v in message.meta.items() if k != META}, message.message_id)
+
+    def upload_out(self, message: Message) -> Message:
+        if message.kind != "weights":
+            return message
+        if self._reference is None:
+            raise PayloadError("dp-fedavg: no downloaded weights to measure the update from")
+        update = {k: message.tensors[k].detach().double() - ref.double() for k, ref in self._reference.items() if k in message.tensors}
+        norm = math.sqrt(sum(float((u * u).sum()) for u in update.values()))
+        scale = min(1.0, self.options.clip / norm) if norm > 0 else 1.0
+        tensors = dict(message.tensors)
+        noise_sd = 0.0
+        if "secagg" in self.chain and self.noise_multiplier:
+            # distributed noise: the masked sum of e shares carries N(0, (z clip)^2)
+            noise_sd = self.noise_multiplier * self.options.clip / math.sqrt(getattr(self, "_share", 1))
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "dp-fedavg-device", self.device or "", message.round))
+        for k, u in update.items():
+            noisy = u * scale
+            if noise_sd:
+                noisy = noisy + torch.randn(u.shape, generator=gen, dtype=torch.float64) * noise_sd
+            tensors[k] = (self._reference[k].double() + noisy).to(message.tensors[k].dtype)
+        meta = {**message.meta, "num_samples": 1}  # DP-FedAvg averages devices uniformly: one device, one vote
+        meta[META] = {"clipped": scale < 1.0}
+        return Message(message.kind, message.round, message.sender, tensors, meta, message.message_id)
+
+    # --- the server side ------------------------------------------------------------------------------
+    def prepare(self, run: dict[str, Any]) -> None:
+        self._groups = dict(run.get("groups") or {})
+        self._sample_rate = float(run.get("sample_rate", 1.0))
+        self._rounds = int(run.get("rounds", 1))
+        self._expected = dict(run.get("expected_per_group") or {})
+        if self.noise_multiplier is None:
+            assert self.options.target_epsilon is not None
+            self.noise_multiplier = noise_for(self.options.target_epsilon, self.options.delta, self._sample_rate, self._rounds)
+
+    def download_out(self, device: str, message: Message) -> Message:
+        if message.kind != "weights" or not message.tensors:
+            return message
+        group = self._groups.get(device, "all")
+        if message.round != self._round:
+            self._round, self._round_reference, self._collected = message.round, {}, _Collected()
+        if group not in self._round_reference:
+            self._round_reference[group] = {k: v.detach().clone() for k, v in message.tensors.items()}
+        info = {"noise_multiplier": float(self.noise_multiplier or 0.0), "share": max(1, self._expected.get(group, 1))}
+        return Message(message.kind, message.round, message.sender, message.tensors, {**message.meta, META: info}, message.message_id)
+
+    def upload_in(self, message: Message) -> Message:
+        if message.kind == "weights" and isinstance(message.meta.get(META), dict):
+            meta = {k: v for k, v in message.meta.items() if k != META}
+            return Message(message.kind, message.round, message.sender, message.tensors, meta, message.message_id)
+        return message
+
+    def collect(self, message: Message) -> Any | None:
+        if "secagg" in self.chain or message.kind != "weights":
+            return None  # under secure aggregation the sum arrives unmasked through secagg, the noise already in it
+        from edgefl.filters.secagg import Taken
+
+        group = self._groups.get(message.sender, "all")
+        reference = self._round_reference.get(group)
+        if message.round != self._round or reference is None:
+            return Taken("late", f"dp-fedavg: round {message.round} is not being summed; not used")
+        c = self._collected
+        if message.sender in c.ids:
+            return Taken("duplicate" if c.ids[message.sender] == message.message_id else "rejected",
+                         "" if c.ids[message.sender] == message.message_id else "one update per device per round")
+        if set(message.tensors) != set(reference) or any(message.tensors[k].shape != reference[k].shape for k in reference):
+            return Taken("rejected", "dp-fedavg: the upload's tensors differ from the weights this device was sent")
+        flat = torch.cat([(message.tensors[k].double() - reference[k].double()).reshape(-1)
+                          for k in sorted(reference) if reference[k].is_floating_point()])
+        norm = float(flat.norm())
+        if norm > self.options.clip * (1 + 1e-6) + 1e-9:
+            return Taken("rejected", f"dp-fedavg: the update's L2 norm {norm:.6g} exceeds clip {self.options.clip:g}: "
+                                     "the device did not clip it (is it running the run's [[filters]]?)")
+        c.updates[group] = c.updates.get(group, torch.zeros_like(flat)) + flat
+        c.counts[group] = c.counts.get(group, 0) + 1
+        c.ids[message.sender] = message.message_id
+        return Taken("accepted")
+
+    def release(self, round_no: int) -> list[Message]:
+        if "secagg" in self.chain:
+            self._released += 1 if round_no == self._round else 0
+            return []
+        out = []
+        c = self._collected
+        for group in sorted(c.updates):
+            reference = self._round_reference[group]
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, "dp-fedavg", round_no, group))
+            noise = torch.randn(c.updates[group].shape, generator=gen, dtype=torch.float64) * float(self.noise_multiplier or 0.0) \
+                * self.options.clip
+            mean = (c.updates[group] + noise) / c.counts[group]
+            tensors, at = {}, 0
+            for k in sorted(reference):
+                ref = reference[k]
+                if ref.is_floating_point():
+                    n = ref.numel()
+                    tensors[k] = (ref.double() + mean[at:at + n].reshape(ref.shape)).to(ref.dtype)
+                    at += n
+                else:
+                    tensors[k] = ref.clone()
+            stand_in = min(d for d, g in self._groups.items() if g == group) if self._groups else group
+            out.append(Message("weights", round_no, stand_in, tensors, {"num_samples": c.counts[group], "dp_noisy_mean": True}))
+        if c.updates:
+            self._released += 1
+        self._collected = _Collected()
+        return out
+
+    def round_facts(self, round_no: int) -> dict[str, Any]:
+        z = float(self.noise_multiplier or 0.0)
+        epsilon = Gaussian(z, self._sample_rate, self._released).epsilon(self.options.delta)
+        return {"epsilon": round(epsilon, 6) if math.isfinite(epsilon) else None, "delta": self.options.delta,
+                "noise_multiplier": round(z, 6), "clip": self.options.clip, "releases": self._released,
+                "sample_rate": round(self._sample_rate, 6)}
