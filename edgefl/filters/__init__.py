@@ -49,11 +49,12 @@ def build_chain(entries: list[tuple[str, dict[str, Any]]], side: Side, seed: int
 # the built-in filters (registered here, not in their modules: they import only edgefl.filters.base,
 # so the package and its modules import no cycle)
 from edgefl.filters.dp import DPFedAvg  # noqa: E402
+from edgefl.filters.local_dp import LocalDP  # noqa: E402
 from edgefl.filters.quantize import QuantizeFilter  # noqa: E402
 from edgefl.filters.secagg import SecAgg  # noqa: E402
 from edgefl.filters.topk import TopKFilter  # noqa: E402
 
-for _builtin in (DPFedAvg, QuantizeFilter, SecAgg, TopKFilter):
+for _builtin in (DPFedAvg, LocalDP, QuantizeFilter, SecAgg, TopKFilter):
     register_filter(_builtin)
 
 __all__ = ["FILTERS", "Filter", "FilterOptions", "Side", "build_chain", "get_filter", "register_filter"]

@@ -1,0 +1,124 @@
+"""Local differential privacy for knowledge uploads: clipped and noised on the device, before they
+leave it, so neither the server nor the broker ever holds the exact values.
+
+The unit protected is a device's whole upload in a round (its data may change arbitrarily): any
+two uploads the clipping allows differ by at most the L2 sensitivity below, and Gaussian noise of
+z x sensitivity makes each round's release (epsilon, delta)-DP; the accountant composes the
+rounds a device takes part in (:mod:`edgefl.privacy.accounting`, sampling rate 1).
+
+* FedHe (``class_logits``): each reported class's mean logits row is clipped to L2 norm ``clip``;
+  the device reports at most C rows, so two uploads differ by at most 2 x clip x sqrt(C).
+* CHFL (``head``): the change of the head since its download, clipped to ``clip`` over weight
+  and bias: sensitivity 2 x clip. Written, but refused for now: two runs of one seed did not give
+  the same numbers in a test although the noise repeats (docs/privacy.md, known issues).
+
+Counts: FedHe's server weights each device's row of a class the same (Eq. 10, uniform
+weighting), so the counts do not enter the released values; which classes a device reports and
+its counts still travel in the clear (``classes``, ``counts``, ``num_samples``). Add
+secure aggregation (``secagg`` after this filter) to hide them from the server: FedHe's secure sum
+sends every class from every device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from edgefl.errors import PayloadError
+from edgefl.filters.base import Filter, FilterOptions
+from edgefl.messages import Message
+from edgefl.privacy.accounting import Gaussian
+from edgefl.seeding import derive_seed
+
+META = "filter.local-dp"
+
+
+class LocalDPOptions(FilterOptions):
+    clip: float = Field(10.0, gt=0, le=1e6, description="L2 norm each logits row (FedHe) or the head's change (CHFL) is clipped to")
+    noise_multiplier: float = Field(..., ge=0, le=1e4, description="z: the noise's standard deviation is z x the upload's "
+                                    "sensitivity (2 clip sqrt(C) for FedHe's C classes, 2 clip for CHFL's head)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of each device's (epsilon, delta) guarantee")
+
+
+class LocalDP(Filter):
+    name = "local-dp"
+    Options = LocalDPOptions
+    summary = "local DP of knowledge uploads: FedHe's logits rows or CHFL's head clipped and noised on the device"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head: dict[str, torch.Tensor] | None = None  # CHFL: the head the device downloaded
+        self._releases: dict[str, set[int]] = {}  # server: device -> the rounds it released noised knowledge
+
+    @classmethod
+    def refusal(cls, options: FilterOptions, spec: Any, **run: Any) -> str | None:
+        if spec.uploads == ("head",):
+            # the head path is written and clips and noises as documented, but two runs of one seed did not give the same
+            # numbers in a test (the noise itself repeats): refused until that is found, rather than shipped unrepeatable
+            return "CHFL's head under local-dp is not repeatable yet (a known issue): run CHFL without it, or FedHe with it"
+        if spec.uploads != ("class_logits",):
+            return (f"{spec.name} uploads {', '.join(spec.uploads)}: local-dp noises FedHe's per-class logits "
+                    "(weight methods take dp-fedavg)")
+        chain = list(run.get("chain", []))
+        if "secagg" in chain and chain.index("secagg") < chain.index(cls.name):
+            return "put local-dp before secagg in [[filters]]: the noise must be added before the upload is masked"
+        return None
+
+    def _noise(self, shape: torch.Size, sd: float, round_no: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "local-dp", self.device or "", round_no))
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * sd
+
+    # --- the device side ----------------------------------------------------------------------------
+    def download_in(self, message: Message) -> Message:
+        if message.kind == "head" and message.tensors:
+            self._head = {k: v.detach().double().clone() for k, v in message.tensors.items() if v.is_floating_point()}
+        return message
+
+    def upload_out(self, message: Message) -> Message:
+        o = self.options
+        if message.kind == "class_logits":
+            logits = message.tensors["logits"].detach().double()
+            c = logits.shape[1]
+            norms = logits.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            clipped = logits * torch.clamp(o.clip / norms, max=1.0)
+            sd = o.noise_multiplier * 2 * o.clip * math.sqrt(c)
+            noisy = clipped + self._noise(clipped.shape, sd, message.round)
+            tensors = {**message.tensors, "logits": noisy.to(message.tensors["logits"].dtype)}
+        elif message.kind == "head":
+            base = self._head or {k: torch.zeros_like(v, dtype=torch.float64) for k, v in message.tensors.items()}
+            change = {k: message.tensors[k].detach().double() - base[k] for k in base if k in message.tensors}
+            norm = math.sqrt(sum(float((d * d).sum()) for d in change.values()))
+            scale = min(1.0, o.clip / norm) if norm > 0 else 1.0
+            sd = o.noise_multiplier * 2 * o.clip
+            flat = torch.cat([d.reshape(-1) for d in change.values()]) * scale
+            flat = flat + self._noise(flat.shape, sd, message.round)
+            tensors, at = dict(message.tensors), 0
+            for k, d in change.items():
+                tensors[k] = (base[k] + flat[at:at + d.numel()].reshape(d.shape)).to(message.tensors[k].dtype)
+                at += d.numel()
+        else:
+            return message
+        return Message(message.kind, message.round, message.sender, tensors, {**message.meta, META: {"noised": True}},
+                       message.message_id)
+
+    # --- the server side ------------------------------------------------------------------------------
+    def upload_in(self, message: Message) -> Message:
+        if message.kind not in ("class_logits", "head"):
+            return message
+        info = message.meta.get(META)
+        if info != {"noised": True} and ".secagg/masked" not in message.tensors:
+            raise PayloadError("local-dp: this run's knowledge uploads are noised on the device (is it running the run's [[filters]]?)")
+        self._releases.setdefault(message.sender, set()).add(message.round)  # a resend is the same release
+        return Message(message.kind, message.round, message.sender, message.tensors,
+                       {k: v for k, v in message.meta.items() if k != META}, message.message_id)
+
+    def round_facts(self, round_no: int) -> dict[str, Any]:
+        """Each device's epsilon so far (the rounds it released noised knowledge), and the largest."""
+        o = self.options
+        per_device = {d: Gaussian(o.noise_multiplier, 1.0, len(r)).epsilon(o.delta) for d, r in sorted(self._releases.items())}
+        finite = [e for e in per_device.values() if math.isfinite(e)]
+        return {"epsilon_max": round(max(finite), 6) if finite else None, "delta": o.delta, "noise_multiplier": o.noise_multiplier,
+                "clip": o.clip, "epsilon_per_device": {d: (round(e, 6) if math.isfinite(e) else None) for d, e in per_device.items()}}

@@ -1,0 +1,77 @@
+"""Local DP of knowledge uploads (the ``local-dp`` filter): clipping and noise by hand, each
+device's epsilon from the accountant, same seed same numbers, simulation and fleet alike, with
+secure aggregation after it, and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from edgefl.config import validate_config
+from edgefl.errors import ConfigError
+from edgefl.filters.local_dp import LocalDP, LocalDPOptions
+from edgefl.messages import Message
+from edgefl.privacy.accounting import Gaussian
+from edgefl.rundir import RunDir
+from edgefl.seeding import derive_seed
+from tests.conftest import method_config
+from tests.test_every_method import _records
+
+
+def _config(method: str = "fedhe", dp: dict | None = None, rounds: int = 2, secagg: bool = False):
+    raw = method_config(method, rounds=rounds)
+    raw["threads"] = 1
+    raw["network"] = {"federation": f"local-dp-{method}", "round_deadline_s": 60}
+    raw["filters"] = [{"name": "local-dp", **(dp or {"noise_multiplier": 0.5})}] + ([{"name": "secagg"}] if secagg else [])
+    return validate_config(raw)
+
+
+def test_fedhe_rows_are_clipped_and_noised_with_the_upload_s_sensitivity_by_hand():
+    f = LocalDP(LocalDPOptions(clip=1.0, noise_multiplier=0.25), side="device", seed=4, device="client-0")
+    logits = torch.tensor([[3.0, 4.0, 0.0], [0.3, 0.4, 0.0]])  # norms 5 and 0.5
+    out = f.upload_out(Message("class_logits", 2, "client-0", {"logits": logits, "classes": torch.tensor([0, 2]),
+                                                                "counts": torch.tensor([5, 1])}, {"num_samples": 6}))
+    clipped = torch.tensor([[0.6, 0.8, 0.0], [0.3, 0.4, 0.0]], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(derive_seed(4, "local-dp", "client-0", 2))
+    noise = torch.randn((2, 3), generator=gen, dtype=torch.float64) * 0.25 * 2 * 1.0 * math.sqrt(3)
+    assert torch.allclose(out.tensors["logits"].double(), (clipped + noise).float().double(), atol=1e-6)
+    assert torch.equal(out.tensors["classes"], torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("method", ["fedhe"])
+def test_a_local_dp_run_records_each_device_s_epsilon_and_repeats_with_the_seed(method, tmp_path):
+    from edgefl.sim import Simulation
+
+    cfg = _config(method)
+    for name in ("one", "two"):
+        Simulation(cfg, RunDir.create(tmp_path / name, cfg.name, cfg.seed), show_progress=False).run()
+    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert one == two
+    facts = one[-1]["filters"]["local-dp"]
+    assert set(facts["epsilon_per_device"]) == {f"client-{i}" for i in range(4)}
+    assert math.isclose(facts["epsilon_max"], Gaussian(0.5, 1.0, 2).epsilon(1e-5), rel_tol=1e-4)
+
+
+def test_local_dp_runs_under_secure_aggregation(tmp_path):
+    from edgefl.sim import Simulation
+
+    cfg = _config("fedhe", secagg=True)
+    Simulation(cfg, RunDir.create(tmp_path / "run", cfg.name, cfg.seed), show_progress=False).run()
+    records = _records(tmp_path / "run")
+    assert [r["outcome"] for r in records] == ["complete", "complete"]
+    assert records[-1]["filters"]["secagg"]["secured"] and records[-1]["filters"]["local-dp"]["epsilon_max"] > 0
+
+
+def test_weight_methods_and_bad_options_are_refused():
+    with pytest.raises(ConfigError, match="dp-fedavg"):
+        _config("fedavg")
+    with pytest.raises(ConfigError, match="not repeatable yet"):
+        _config("chfl")
+    with pytest.raises(ConfigError, match="noise_multiplier"):
+        _config("fedhe", {"noise_multiplier": -1})
+    with pytest.raises(ConfigError, match="clip"):
+        _config("fedhe", {"noise_multiplier": 1, "clip": 0})
+    with pytest.raises(ConfigError, match="delta"):
+        _config("fedhe", {"noise_multiplier": 1, "delta": 2})
