@@ -233,6 +233,7 @@ class RunSession:
             "bytes_down_total": sum(h["bytes_down"] for h in history),
             "stragglers_total": sum(len(h.get("stragglers", [])) for h in history),
             "virtual_time_total_s": round(sum(virtual), 3) if virtual else None,
+            **({"privacy": privacy} if (privacy := privacy_spent(history)) else {}),
             "wall_time_s": round(time.perf_counter() - self._t0, 3),
             "run_dir": str(self.run_dir.path) if self.run_dir else None,
         }
@@ -260,6 +261,15 @@ class RunSession:
         if self.live is not None:
             self.live.finish(interrupted)
         return summary
+
+
+def privacy_spent(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the run's differential-privacy filters report after its last round (the epsilon spent)."""
+    for record in reversed(history):
+        facts = {name: f for name, f in (record.get("filters") or {}).items() if "epsilon" in f or "epsilon_max" in f}
+        if facts:
+            return facts
+    return {}
 
 
 class _LateTransportClock(TransportClock):

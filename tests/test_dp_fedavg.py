@@ -178,3 +178,14 @@ def test_a_dp_fleet_writes_the_simulation_s_records(tmp_path):
             d.join(30)
     assert "summary" in results
     assert _records(tmp_path / "fleet") == _records(tmp_path / "sim")
+
+
+def test_the_summary_carries_the_epsilon_the_run_spent(tmp_path):
+    import json
+
+    from edgefl.sim import Simulation
+
+    cfg = _config({"clip": 1.0, "noise_multiplier": 0.8})
+    Simulation(cfg, RunDir.create(tmp_path / "run", cfg.name, cfg.seed), show_progress=False).run()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert math.isclose(summary["privacy"]["dp-fedavg"]["epsilon"], Gaussian(0.8, 1.0, 2).epsilon(1e-5), rel_tol=1e-4)
