@@ -41,6 +41,8 @@ class MethodSpec:
     #: why the server cannot take only the sum of the uploads (secure aggregation refuses the
     #: method with it); empty: the server only sums what devices send, so it can be secured
     needs_individual_uploads: str = ""
+    #: (option, value) with which the server only sums after all (FedIN without IN training sends no pairs)
+    sums_with_option: tuple[str, Any] | None = None
 
     @staticmethod
     def _load(path: str) -> Any:
@@ -105,7 +107,9 @@ for _spec in (
         "edgefl.algorithms.fedin:FedINOptions",
         uploads=("weights",), downloads=("weights",),
         needs_individual_uploads="FedIN's server trains on each device's feature pairs (pairs.s_in / pairs.s_out), which cannot be "
-                                 "summed; FedAvg secures the weights of same-architecture groups",
+                                 "summed: set method.in_training = false (FedIN without IN: weights only, aggregated layer-wise), "
+                                 "or use FedAvg",
+        sums_with_option=("in_training", False),
     ),
     MethodSpec(
         "felo",

@@ -271,3 +271,23 @@ def test_the_forms_know_felo_s_knowledge_prefix():
     from edgefl.secagg import forms
 
     assert forms.KNOWLEDGE == KNOWLEDGE
+
+
+def test_fedin_without_in_training_is_secured_layer_wise_and_with_it_refused(tmp_path):
+    """FedIN without IN training sends weights only: the secure sums per architecture reach its
+    layer-wise aggregation (weighted by the groups' summed sample counts) and give the plain run's
+    numbers; with IN training its pairs cannot be summed and the run is refused with the way out."""
+    from edgefl.sim import Simulation
+
+    raw = method_config("fedin", rounds=2)
+    raw["method"]["in_training"] = False
+    raw["threads"] = 1
+    plain = validate_config(raw)
+    secured = validate_config({**raw, "filters": [{"name": "secagg"}]})
+    Simulation(plain, RunDir.create(tmp_path / "plain", plain.name, plain.seed), show_progress=False).run()
+    Simulation(secured, RunDir.create(tmp_path / "secured", secured.name, secured.seed), show_progress=False).run()
+    a, b = _records(tmp_path / "plain"), _records(tmp_path / "secured")
+    assert [r["outcome"] for r in b] == ["complete"] * len(b)
+    assert np.allclose(_overall(a), _overall(b), atol=0.02), (_overall(a), _overall(b))
+    with pytest.raises(ConfigError, match="in_training = false"):
+        _config("fedin", {})

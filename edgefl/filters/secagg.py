@@ -109,7 +109,9 @@ class SecAgg(Filter):
 
     @classmethod
     def refusal(cls, options: FilterOptions, spec: Any, **run: Any) -> str | None:
-        if spec.needs_individual_uploads:
+        options = run.get("method_options") or {}
+        sums_anyway = spec.sums_with_option is not None and options.get(spec.sums_with_option[0]) == spec.sums_with_option[1]
+        if spec.needs_individual_uploads and not sums_anyway:
             return f"{spec.name} cannot be secured by summing: {spec.needs_individual_uploads}"
         if not set(spec.uploads) <= set(KINDS):
             return f"{spec.name} uploads {', '.join(spec.uploads)}; secure aggregation sums {', '.join(KINDS)}"
