@@ -117,7 +117,9 @@ class DPFedAvg(Filter):
             return message
         if self._reference is None:
             raise PayloadError("dp-fedavg: no downloaded weights to measure the update from")
-        update = {k: message.tensors[k].detach().double() - ref.double() for k, ref in self._reference.items() if k in message.tensors}
+        # sorted: the noise is drawn in one stream, so which tensor gets which draw must not depend on dict order
+        update = {k: message.tensors[k].detach().double() - self._reference[k].double()
+                  for k in sorted(self._reference) if k in message.tensors}
         norm = math.sqrt(sum(float((u * u).sum()) for u in update.values()))
         scale = min(1.0, self.options.clip / norm) if norm > 0 else 1.0
         tensors = dict(message.tensors)

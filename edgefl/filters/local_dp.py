@@ -9,8 +9,7 @@ rounds a device takes part in (:mod:`edgefl.privacy.accounting`, sampling rate 1
 * FedHe (``class_logits``): each reported class's mean logits row is clipped to L2 norm ``clip``;
   the device reports at most C rows, so two uploads differ by at most 2 x clip x sqrt(C).
 * CHFL (``head``): the change of the head since its download, clipped to ``clip`` over weight
-  and bias: sensitivity 2 x clip. Written, but refused for now: two runs of one seed did not give
-  the same numbers in a test although the noise repeats (docs/privacy.md, known issues).
+  and bias: sensitivity 2 x clip.
 
 Counts: FedHe's server weights each device's row of a class the same (Eq. 10, uniform
 weighting), so the counts do not enter the released values; which classes a device reports and
@@ -55,12 +54,8 @@ class LocalDP(Filter):
 
     @classmethod
     def refusal(cls, options: FilterOptions, spec: Any, **run: Any) -> str | None:
-        if spec.uploads == ("head",):
-            # the head path is written and clips and noises as documented, but two runs of one seed did not give the same
-            # numbers in a test (the noise itself repeats): refused until that is found, rather than shipped unrepeatable
-            return "CHFL's head under local-dp is not repeatable yet (a known issue): run CHFL without it, or FedHe with it"
-        if spec.uploads != ("class_logits",):
-            return (f"{spec.name} uploads {', '.join(spec.uploads)}: local-dp noises FedHe's per-class logits "
+        if spec.uploads not in (("class_logits",), ("head",)):
+            return (f"{spec.name} uploads {', '.join(spec.uploads)}: local-dp noises FedHe's per-class logits and CHFL's head "
                     "(weight methods take dp-fedavg)")
         chain = list(run.get("chain", []))
         if "secagg" in chain and chain.index("secagg") < chain.index(cls.name):
@@ -89,7 +84,8 @@ class LocalDP(Filter):
             tensors = {**message.tensors, "logits": noisy.to(message.tensors["logits"].dtype)}
         elif message.kind == "head":
             base = self._head or {k: torch.zeros_like(v, dtype=torch.float64) for k, v in message.tensors.items()}
-            change = {k: message.tensors[k].detach().double() - base[k] for k in base if k in message.tensors}
+            # sorted: the noise is drawn in one stream, so its assignment must not depend on dict order
+            change = {k: message.tensors[k].detach().double() - base[k] for k in sorted(base) if k in message.tensors}
             norm = math.sqrt(sum(float((d * d).sum()) for d in change.values()))
             scale = min(1.0, o.clip / norm) if norm > 0 else 1.0
             sd = o.noise_multiplier * 2 * o.clip
