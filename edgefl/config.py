@@ -17,7 +17,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from edgefl.configtools import format_validation_error, read_toml, suggest
 from edgefl.data.views import ViewSettings
@@ -48,6 +58,31 @@ Whole = Annotated[StrictInt, BeforeValidator(_no_float)]
 MAX_ROUNDS = 1_000_000
 
 
+class DPSGDSettings(Strict):
+    """Sample-level differential privacy of local training: DP-SGD through Opacus (per-sample
+    gradients clipped to ``max_grad_norm``, Gaussian noise of ``noise_multiplier`` x ``max_grad_norm``
+    added to their sum, batches drawn by Poisson sampling at rate batch_size / samples). Each upload
+    carries the device's epsilon so far (meta ``dp_sgd_epsilon``); docs/privacy.md."""
+
+    noise_multiplier: float | None = Field(
+        None, ge=0, le=1000, description="noise std / max_grad_norm (0: clipping only, no privacy); unset: derived from target_epsilon")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="each sample's gradient is clipped to this L2 norm")
+    target_epsilon: float | None = Field(
+        None, gt=0, le=1e6, description="derive each device's noise multiplier so that rounds x its local steps stay within this "
+                                        "epsilon (instead of noise_multiplier; sync runs only)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="the delta of the (epsilon, delta) guarantee (keep it below 1 / samples)")
+    poisson: bool = Field(True, description="draw each batch by Poisson sampling, which the accountant assumes (false: shuffled "
+                                            "fixed-size batches as plain training; the epsilon is then the usual approximation)")
+
+    @model_validator(mode="after")
+    def _one_noise(self) -> DPSGDSettings:
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise ValueError("DP-SGD needs noise_multiplier or target_epsilon (e.g. noise_multiplier = 1.0)")
+        if self.noise_multiplier is not None and self.target_epsilon is not None:
+            raise ValueError("give noise_multiplier or target_epsilon, not both (target_epsilon derives the noise multiplier)")
+        return self
+
+
 class TrainSettings(Strict):
     """Local training of one client per round."""
 
@@ -58,6 +93,16 @@ class TrainSettings(Strict):
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty of the optimizer")
     max_steps: Whole | None = Field(None, ge=1, description="cap on batches per round (None: full epochs)")
+    dp_sgd: DPSGDSettings | None = Field(None, description="train with DP-SGD ([train.dp_sgd]; unset: plain training)")
+
+    @model_serializer(mode="wrap")
+    def _without_plain_dp_sgd(self, handler) -> dict[str, Any]:
+        # plain training writes no dp_sgd key: run.json, tasks and the protocol's examples stay as they were,
+        # and a device whose edgefl predates DP-SGD still takes the task
+        out = handler(self)
+        if isinstance(out, dict) and out.get("dp_sgd", 0) is None:
+            del out["dp_sgd"]
+        return out
 
 
 class TrainOverride(Strict):
@@ -70,6 +115,7 @@ class TrainOverride(Strict):
     momentum: float | None = Field(None, ge=0, lt=1)
     weight_decay: float | None = Field(None, ge=0)
     max_steps: Whole | None = Field(None, ge=1)
+    dp_sgd: DPSGDSettings | None = Field(None, description="the group's whole DP-SGD table, in place of the run's train.dp_sgd")
 
 
 class DataSettings(Strict):
@@ -464,7 +510,8 @@ class RunConfig(Strict):
     def train_for(self, group: GroupSettings) -> TrainSettings:
         if group.train is None:
             return self.train
-        return self.train.model_copy(update=group.train.model_dump(exclude_none=True))
+        # the values themselves (not a dump): a dp_sgd table stays a DPSGDSettings
+        return self.train.model_copy(update={k: v for k in TrainOverride.model_fields if (v := getattr(group.train, k)) is not None})
 
     def filter_chain(self) -> list[tuple[str, dict[str, Any]]]:
         """The ``[[filters]]`` as (name, options) pairs, in order (edgefl.filters.build_chain)."""
@@ -498,10 +545,16 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
         ) from None
     names = [f.name for f in cfg.filters]
     n = cfg.fleet.num_clients
-    run = {"method_options": cfg.method.options(), "mode": cfg.mode, "rounds": cfg.rounds, "chain": names,
+    run = {"method_options": cfg.method.options(), "mode": cfg.mode, "rounds": cfg.rounds, "chain": names, "devices": n,
            "sample_rate": cfg.fleet.selection_size(n) / n if n else 1.0}
     for i, entry in enumerate(cfg.filters):
         _check_filter(entry, i, method, source, run)
+    if cfg.train.dp_sgd is not None or any(g.train is not None and g.train.dp_sgd is not None for g in cfg.fleet.groups):
+        from edgefl.privacy.dp_sgd import run_refusal
+
+        refusal = run_refusal(cfg)
+        if refusal:
+            raise ConfigError(f"{source}: DP-SGD cannot train this run: {refusal[0]}", hint=refusal[1])
     return cfg
 
 

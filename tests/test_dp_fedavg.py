@@ -189,3 +189,31 @@ def test_the_summary_carries_the_epsilon_the_run_spent(tmp_path):
     Simulation(cfg, RunDir.create(tmp_path / "run", cfg.name, cfg.seed), show_progress=False).run()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert math.isclose(summary["privacy"]["dp-fedavg"]["epsilon"], Gaussian(0.8, 1.0, 2).epsilon(1e-5), rel_tol=1e-4)
+
+
+def test_adaptive_clipping_moves_the_clip_toward_the_quantile_of_update_norms():
+    """Every update under a huge clip: the noised share of unclipped updates is about 1 > 0.5, so
+    the clip shrinks by about exp(-0.2 x 0.5) a round; a tiny clip grows."""
+    from edgefl.sim import Simulation
+
+    big = Simulation(_config({"clip": 100.0, "noise_multiplier": 0.01, "adaptive": True, "count_noise": 0.05}, rounds=3),
+                     show_progress=False)
+    clips = [r["filters"]["dp-fedavg"]["clip"] for r in (big.run_round(n) for n in (1, 2, 3))]
+    assert clips[0] < 100.0 and clips[1] < clips[0] and clips[2] < clips[1]
+    assert math.isclose(clips[0], 100.0 * math.exp(-0.2 * 0.5), rel_tol=0.02)
+    small = Simulation(_config({"clip": 1e-4, "noise_multiplier": 0.01, "adaptive": True, "count_noise": 0.05}, rounds=2),
+                       show_progress=False)
+    grown = small.run_round(1)["filters"]["dp-fedavg"]["clip"]
+    assert math.isclose(grown, 1e-4 * math.exp(0.2 * 0.5), rel_tol=0.02)
+
+
+def test_adaptive_clipping_spends_no_more_than_its_noise_multiplier_and_is_refused_with_secagg():
+    f = DPFedAvg(DPFedAvgOptions(clip=1.0, noise_multiplier=1.0, adaptive=True, count_noise=2.0), side="server", seed=0)
+    f.prepare({"expected_per_group": {"g": 10}})
+    assert math.isclose(f._update_noise(), (1.0 - (2 * 2.0) ** -2) ** -0.5)
+    raw = method_config("fedavg", rounds=1)
+    raw["filters"] = [{"name": "dp-fedavg", "noise_multiplier": 1.0, "adaptive": True}, {"name": "secagg"}]
+    with pytest.raises(ConfigError, match="adaptive clipping"):
+        validate_config(raw)
+    with pytest.raises(ConfigError, match="raise count_noise"):
+        _config({"clip": 1.0, "noise_multiplier": 1.0, "adaptive": True, "count_noise": 0.1})

@@ -65,7 +65,8 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         """Why this filter cannot serve a run of ``spec``'s method (checked before the run
         directory exists), or None. ``run`` tells more of the run: ``method_options`` (the
         method's options as configured), ``mode`` ("sync" or "async"), ``rounds``,
-        ``sample_rate`` (the share of devices a round selects) and ``chain`` (the filters' names, in order)."""
+        ``sample_rate`` (the share of devices a round selects), ``devices`` and ``chain`` (the filters'
+        names, in order)."""
         return None
 
     # --- the device side ----------------------------------------------------------------------

@@ -15,7 +15,10 @@ the sum of the round's updates, z the noise multiplier:
 
 The accountant (:mod:`edgefl.privacy.accounting`) composes one release per round with sampling
 rate q (the share of devices a round selects) into epsilon at ``delta``; every record carries it
-(``filters.dp-fedavg``). With ``target_epsilon`` the noise multiplier is derived from the planned
+(``filters.dp-fedavg``). With ``adaptive`` the clip follows a quantile of the update norms (Andrew
+et al., NeurIPS 2021): devices say whether their update was clipped, the server releases the
+noised count and moves the clip geometrically; the updates' noise grows so the two releases
+together spend what z alone would (the record's clip is the one the next round uses). With ``target_epsilon`` the noise multiplier is derived from the planned
 rounds, or a given one is checked against it before the run starts.
 """
 
@@ -44,6 +47,12 @@ class DPFedAvgOptions(FilterOptions):
     target_epsilon: float | None = Field(None, gt=0, le=1e4, description="epsilon the whole run may spend at delta: derives "
                                          "the noise multiplier from the planned rounds, or refuses a run whose given one spends more")
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; below 1 / devices")
+    adaptive: bool = Field(False, description="adaptive clipping (Andrew et al., NeurIPS 2021): clip follows the "
+                           "target_quantile of the update norms, learnt from the noised share of devices under it; clip is its start")
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="adaptive: the share of updates clip should leave unclipped")
+    clip_learning_rate: float = Field(0.2, gt=0, le=10, description="adaptive: eta of clip <- clip x exp(-eta (share - quantile))")
+    count_noise: float | None = Field(None, gt=0, description="adaptive: sd of the noise on the count of unclipped updates "
+                                      "(None: the devices a round expects / 20, as Andrew et al.)")
 
     @model_validator(mode="after")
     def _noise_or_target(self) -> DPFedAvgOptions:
@@ -76,6 +85,8 @@ class DPFedAvg(Filter):
         self._round = -1
         self._collected = _Collected()
         self._released = 0  # rounds whose noisy sum was released (what the accountant counts)
+        self.clip = self.options.clip  # the round's clip: fixed, or learnt when adaptive
+        self._unclipped: dict[str, int] = {}  # server, adaptive: group -> devices whose update was under the clip
 
     @classmethod
     def refusal(cls, options: FilterOptions, spec: Any, **run: Any) -> str | None:
@@ -95,6 +106,15 @@ class DPFedAvg(Filter):
         chain = list(run.get("chain", []))
         if "secagg" in chain and chain.index("secagg") < chain.index(cls.name):
             return "put dp-fedavg before secagg in [[filters]]: the noise must be added before the upload is masked"
+        if options.adaptive and options.noise_multiplier:
+            expected = max(1.0, float(run.get("sample_rate", 1.0)) * int(run.get("devices", 1)))
+            sigma_b = options.count_noise if options.count_noise is not None else expected / 20
+            if 2 * sigma_b <= options.noise_multiplier:
+                return (f"adaptive clipping with count_noise {sigma_b:g} leaves no noise for the updates at noise_multiplier "
+                        f"{options.noise_multiplier:g} (it needs 2 x count_noise > noise_multiplier): raise count_noise")
+        if options.adaptive and "secagg" in chain:
+            return "adaptive clipping learns from which devices' updates were clipped, which secure aggregation hides: " \
+                   "use a fixed clip with secagg"
         return None
 
     # --- the device side ----------------------------------------------------------------------------
@@ -104,11 +124,13 @@ class DPFedAvg(Filter):
             self._reference = {k: v.detach().clone() for k, v in message.tensors.items() if v.is_floating_point()}
         if not isinstance(info, dict):
             return message
-        z, share = info.get("noise_multiplier"), info.get("share")
+        z, share, clip = info.get("noise_multiplier"), info.get("share"), info.get("clip", self.options.clip)
         if not isinstance(z, (int, float)) or isinstance(z, bool) or not 0 <= z <= 1e4 \
-                or not isinstance(share, int) or isinstance(share, bool) or not 1 <= share <= 1 << 24:
-            raise PayloadError("dp-fedavg: a download's noise settings are a noise multiplier in [0, 1e4] and a share count")
-        self.noise_multiplier, self._share = float(z), int(share)
+                or not isinstance(share, int) or isinstance(share, bool) or not 1 <= share <= 1 << 24 \
+                or not isinstance(clip, (int, float)) or isinstance(clip, bool) or not 0 < clip <= 1e6:
+            raise PayloadError("dp-fedavg: a download's noise settings are a noise multiplier in [0, 1e4], a share count and a "
+                               "clip in (0, 1e6]")
+        self.noise_multiplier, self._share, self.clip = float(z), int(share), float(clip)
         return Message(message.kind, message.round, message.sender, message.tensors,
                        {k: v for k, v in message.meta.items() if k != META}, message.message_id)
 
@@ -121,12 +143,12 @@ class DPFedAvg(Filter):
         update = {k: message.tensors[k].detach().double() - self._reference[k].double()
                   for k in sorted(self._reference) if k in message.tensors}
         norm = math.sqrt(sum(float((u * u).sum()) for u in update.values()))
-        scale = min(1.0, self.options.clip / norm) if norm > 0 else 1.0
+        scale = min(1.0, self.clip / norm) if norm > 0 else 1.0
         tensors = dict(message.tensors)
         noise_sd = 0.0
         if "secagg" in self.chain and self.noise_multiplier:
             # distributed noise: the masked sum of e shares carries N(0, (z clip)^2)
-            noise_sd = self.noise_multiplier * self.options.clip / math.sqrt(getattr(self, "_share", 1))
+            noise_sd = self.noise_multiplier * self.clip / math.sqrt(getattr(self, "_share", 1))
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "dp-fedavg-device", self.device or "", message.round))
         for k, u in update.items():
             noisy = u * scale
@@ -134,7 +156,7 @@ class DPFedAvg(Filter):
                 noisy = noisy + torch.randn(u.shape, generator=gen, dtype=torch.float64) * noise_sd
             tensors[k] = (self._reference[k].double() + noisy).to(message.tensors[k].dtype)
         meta = {**message.meta, "num_samples": 1}  # DP-FedAvg averages devices uniformly: one device, one vote
-        meta[META] = {"clipped": scale < 1.0}
+        meta[META] = {"clipped": norm > self.clip}
         return Message(message.kind, message.round, message.sender, tensors, meta, message.message_id)
 
     # --- the server side ------------------------------------------------------------------------------
@@ -146,6 +168,11 @@ class DPFedAvg(Filter):
         if self.noise_multiplier is None:
             assert self.options.target_epsilon is not None
             self.noise_multiplier = noise_for(self.options.target_epsilon, self.options.delta, self._sample_rate, self._rounds)
+        if self.options.adaptive and self.noise_multiplier and 2 * self._count_noise() <= self.noise_multiplier:
+            from edgefl.errors import ConfigError
+
+            raise ConfigError(f"dp-fedavg: adaptive clipping's count noise {self._count_noise():g} leaves no noise for the updates "
+                              f"at noise multiplier {self.noise_multiplier:.3g}", hint="raise count_noise (2 x count_noise > z)")
 
     def download_out(self, device: str, message: Message) -> Message:
         if message.kind != "weights" or not message.tensors:
@@ -155,12 +182,17 @@ class DPFedAvg(Filter):
             self._round, self._round_reference, self._collected = message.round, {}, _Collected()
         if group not in self._round_reference:
             self._round_reference[group] = {k: v.detach().clone() for k, v in message.tensors.items()}
-        info = {"noise_multiplier": float(self.noise_multiplier or 0.0), "share": max(1, self._expected.get(group, 1))}
+        info = {"noise_multiplier": self._update_noise(), "share": max(1, self._expected.get(group, 1)), "clip": self.clip}
         return Message(message.kind, message.round, message.sender, message.tensors, {**message.meta, META: info}, message.message_id)
 
     def upload_in(self, message: Message) -> Message:
         if message.kind == "weights" and isinstance(message.meta.get(META), dict):
+            info = message.meta[META]
+            if self.options.adaptive and (set(info) != {"clipped"} or not isinstance(info["clipped"], bool)):
+                raise PayloadError("dp-fedavg: an update says whether it was clipped ({\"clipped\": true|false})")
             meta = {k: v for k, v in message.meta.items() if k != META}
+            if self.options.adaptive:
+                meta["dp_clipped"] = info["clipped"]
             return Message(message.kind, message.round, message.sender, message.tensors, meta, message.message_id)
         return message
 
@@ -182,12 +214,14 @@ class DPFedAvg(Filter):
         flat = torch.cat([(message.tensors[k].double() - reference[k].double()).reshape(-1)
                           for k in sorted(reference) if reference[k].is_floating_point()])
         norm = float(flat.norm())
-        if norm > self.options.clip * (1 + 1e-6) + 1e-9:
-            return Taken("rejected", f"dp-fedavg: the update's L2 norm {norm:.6g} exceeds clip {self.options.clip:g}: "
+        if norm > self.clip * (1 + 1e-6) + 1e-9:
+            return Taken("rejected", f"dp-fedavg: the update's L2 norm {norm:.6g} exceeds clip {self.clip:g}: "
                                      "the device did not clip it (is it running the run's [[filters]]?)")
         c.updates[group] = c.updates.get(group, torch.zeros_like(flat)) + flat
         c.counts[group] = c.counts.get(group, 0) + 1
         c.ids[message.sender] = message.message_id
+        if self.options.adaptive and message.meta.get("dp_clipped") is False:
+            self._unclipped[group] = self._unclipped.get(group, 0) + 1
         return Taken("accepted")
 
     def release(self, round_no: int) -> list[Message]:
@@ -199,8 +233,7 @@ class DPFedAvg(Filter):
         for group in sorted(c.updates):
             reference = self._round_reference[group]
             gen = torch.Generator().manual_seed(derive_seed(self.seed, "dp-fedavg", round_no, group))
-            noise = torch.randn(c.updates[group].shape, generator=gen, dtype=torch.float64) * float(self.noise_multiplier or 0.0) \
-                * self.options.clip
+            noise = torch.randn(c.updates[group].shape, generator=gen, dtype=torch.float64) * self._update_noise() * self.clip
             mean = (c.updates[group] + noise) / c.counts[group]
             tensors, at = {}, 0
             for k in sorted(reference):
@@ -215,12 +248,38 @@ class DPFedAvg(Filter):
             out.append(Message("weights", round_no, stand_in, tensors, {"num_samples": c.counts[group], "dp_noisy_mean": True}))
         if c.updates:
             self._released += 1
+            if self.options.adaptive:
+                self._adapt(round_no, sum(c.counts.values()))
         self._collected = _Collected()
         return out
+
+    def _count_noise(self) -> float:
+        expected = sum(self._expected.values()) or 1
+        return self.options.count_noise if self.options.count_noise is not None else expected / 20
+
+    def _update_noise(self) -> float:
+        """The noise multiplier of the updates. Adaptive clipping also releases a noised count, so
+        the updates' noise grows to keep the pair at the configured z (Andrew et al., Thm 1):
+        z_update = (z^-2 - (2 sigma_b)^-2)^-1/2."""
+        z = float(self.noise_multiplier or 0.0)
+        if not self.options.adaptive or z == 0:
+            return z
+        rest = z ** -2 - (2 * self._count_noise()) ** -2
+        if rest <= 0:
+            raise PayloadError(f"dp-fedavg: count_noise {self._count_noise():g} is too small for noise multiplier {z:g}: raise it")
+        return rest ** -0.5
+
+    def _adapt(self, round_no: int, m: int) -> None:
+        """clip <- clip x exp(-eta (b - quantile)), b the noised share of updates under the clip."""
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "dp-fedavg-quantile", round_no))
+        unclipped = sum(self._unclipped.values()) + float(torch.randn(1, generator=gen)) * self._count_noise()
+        share = unclipped / max(m, 1)
+        self.clip = float(min(1e6, max(1e-9, self.clip * math.exp(-self.options.clip_learning_rate * (share - self.options.target_quantile)))))
+        self._unclipped = {}
 
     def round_facts(self, round_no: int) -> dict[str, Any]:
         z = float(self.noise_multiplier or 0.0)
         epsilon = Gaussian(z, self._sample_rate, self._released).epsilon(self.options.delta)
         return {"epsilon": round(epsilon, 6) if math.isfinite(epsilon) else None, "delta": self.options.delta,
-                "noise_multiplier": round(z, 6), "clip": self.options.clip, "releases": self._released,
+                "noise_multiplier": round(z, 6), "clip": round(self.clip, 9), "releases": self._released,
                 "sample_rate": round(self._sample_rate, 6)}
