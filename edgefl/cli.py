@@ -136,6 +136,7 @@ def simulate(
     out.print(accuracy_table(run))
     _say_verdict(run)
     out.print(communication_table(run))
+    _print_rounds_table(run)
     out.print(f"run directory: {run.path}  (plots in {run.path / 'plots'})")
     if baseline_stopped:
         err.print(f"interrupted ({baseline_stopped}) during the Local-only baseline; the run itself is complete in {run.path}, "
@@ -227,9 +228,35 @@ def _fail_on_failed_rounds(summary: dict, run_path: Path) -> None:
     """A run whose rounds failed did not achieve what was asked: say which, exit non-zero."""
     failed = summary.get("failed_rounds") or []
     if failed:
-        err.print(f"[red]{len(failed)} of {summary.get('rounds', '?')} rounds failed[/] (rounds {failed}): no quorum by the "
-                  f"deadline; each device's receipt is in {run_path / 'metrics.jsonl'}")
+        from edgefl.safetext import console_text
+
+        why = _failures(run_path)
+        stage_failed = [r for r in failed if r in why]
+        cause = "no quorum by the deadline" if not stage_failed else "; ".join(
+            [f"round {r}: {console_text(why[r])}" for r in stage_failed[:5]] + (["..."] if len(stage_failed) > 5 else [])
+            + (["the others: no quorum by the deadline"] if len(stage_failed) < len(failed) else []))
+        err.print(f"[red]{len(failed)} of {summary.get('rounds', '?')} rounds failed[/] (rounds {failed}): {cause}; "
+                  f"each device's receipt is in {run_path / 'metrics.jsonl'}")
         raise typer.Exit(EXIT_ROUNDS_FAILED)
+
+
+def _failures(run_path: Path) -> dict[int, str]:
+    """round -> why a stage failed it (the records' ``failure``), from the run's metrics.jsonl."""
+    import json
+
+    out: dict[int, str] = {}
+    try:
+        lines = (run_path / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("failure"):
+            out[record.get("round")] = str(record["failure"])
+    return out
 
 
 PER_DEVICE_LINES_MAX = 64  # larger fleets print counts: ten thousand "joined" lines help nobody
@@ -240,6 +267,7 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
     :class:`~edgefl.heartbeat.Heartbeat` repeats while the server waits). A fleet of more than
     PER_DEVICE_LINES_MAX devices gets no line per device, only the round's counts. Ids, statuses
     and reasons can come from the network: escaped (no markup, no control characters)."""
+    from edgefl.report import stage_notes
     from edgefl.safetext import console_text as safe
 
     waiting: dict[str, Any] = {}
@@ -254,6 +282,8 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
                 waiting["reported"] += 1
             elif kind == "evaluating":
                 beat.status(f"round {info['round']}/{total}: evaluating")
+            elif kind == "stage":
+                beat.status(f"round {info['round']}/{total}: stage {safe(info['stage'])}, waiting for {info['asked']} devices")
             if kind in ("round", "upload") and waiting:
                 beat.status(f"round {waiting['round']}/{total}: {waiting['reported']}/{waiting['selected']} devices reported, waiting")
         if kind in ("presence", "upload", "late", "enrolled") and not per_device:
@@ -283,13 +313,19 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
             console.print(f"  [yellow]{safe(info['device'])} rejected[/]: {safe(info['reason'])}")
         elif kind == "extended":
             console.print(f"  [yellow]round {info['round']} extended[/]: {info['reported']} of {info['quorum']} needed")
+        elif kind == "stage":
+            console.print(f"  round {info['round']} stage {safe(info['stage'])}: {info['asked']} devices asked")
+        elif kind == "stage_failed":
+            console.print(f"  [red]round {info['round']} failed in stage {safe(info['stage'])}[/]")
         elif kind == "closed":
             acc = info["accuracy"]
             console.print(f"round {info['round']} {info['outcome']}: {len(info['reported'])}/{len(info['selected'])} reported"
                           + (f" (target {info['target']}, {len(info['late'])} late)" if info.get("target", 0) < len(info["selected"]) else "")
                           + (f", missing {safe(_few(info['missing']), 1000)}" if info["missing"] else "")
-                          + (f", acc {acc['overall']:.4f}" if acc else "") + f", {info['round_time_s']:.1f}s")
+                          + (f", acc {acc['overall']:.4f}" if acc else "") + f", {info['round_time_s']:.1f}s"
+                          + "".join(f", {safe(note, 1000)}" for note in stage_notes(info)))
     return on_event
+
 
 
 def _few(ids: list[str], show: int = 8) -> str:
@@ -1012,8 +1048,19 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> 
     out.print(accuracy_table(run))
     _say_verdict(run)
     out.print(communication_table(run))
+    _print_rounds_table(run)
     for p in paths:
         out.print(f"wrote {p}")
+
+
+def _print_rounds_table(run) -> None:
+    """A run with stages (secure aggregation): which rounds were secured, who dropped out where,
+    why rounds failed."""
+    from edgefl.report import rounds_table
+
+    table = rounds_table(run)
+    if table is not None:
+        out.print(table)
 
 
 def _si(n: float) -> str:

@@ -12,6 +12,7 @@ from rich.table import Table
 from edgefl.baseline import BASELINE_LABEL, baseline_metrics, compare
 from edgefl.errors import EdgeflError
 from edgefl.rundir import RunDir
+from edgefl.safetext import printable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -135,6 +136,11 @@ def draw_plots(run: RunDir) -> list[Path]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
         written.append(_save(fig, out_dir / "round_time.png", plt))
 
+    _remove(out_dir / "stages.png")
+    staged = [m for m in metrics if m.get("mode") != "async"]
+    if has_stages(staged):
+        written.append(_stages_plot(run, staged, out_dir, plt, round_axis))
+
     async_records = [m for m in metrics if m.get("mode") == "async"]
     if async_records:
         # an asynchronous run: accuracy against the clock it ran on, and who reported how often
@@ -225,6 +231,42 @@ def _accuracy_plot(run: RunDir, evaluated: list[dict[str, Any]], out_dir: Path, 
         _gain_bars(bx, run, method)
     fig.suptitle(run_title(run), fontsize=12, fontweight="bold")
     return _save(fig, out_dir / "accuracy.png", plt)
+
+
+def _stages_plot(run: RunDir, metrics: list[dict[str, Any]], out_dir: Path, plt, round_axis) -> Path:
+    """Devices that dropped out per round, stacked by the stage they did not answer (and, secured,
+    those that shared keys but sent no masked upload); failed rounds marked with a red x and listed
+    with their reason under the axes; the title says how many rounds were secured."""
+    rounds = [m["round"] for m in metrics]
+    names = list(dict.fromkeys(name for m in metrics for name in (m.get("stages") or {})))
+    series = [(f"no answer in stage {name}", [len(stage_drops(m).get(name, [])) for m in metrics]) for name in names]
+    after = [len(dropped_after_sharing(m)) for m in metrics]
+    if any(after):
+        series.append(("secured: shared keys, no masked upload", after))
+    fig, ax = plt.subplots(figsize=(10, 5))
+    bottom = [0] * len(metrics)
+    for (label, counts), style in zip(series, line_styles(len(series))):
+        ax.bar(rounds, counts, bottom=bottom, width=0.6, label=label, color=style["color"])
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    failed = [m for m in metrics if m.get("outcome") == "failed"]
+    if failed:
+        top = max(bottom + [1])
+        ax.plot([m["round"] for m in failed], [top * 1.08] * len(failed), linestyle="none", marker="x", color="#b4321e",
+                markersize=9, markeredgewidth=2, label="round failed")
+        reasons = [f"round {m['round']}: {printable(m.get('failure') or 'no quorum by the deadline', 140)}" for m in failed[:4]]
+        if len(failed) > 4:
+            reasons.append(f"and {len(failed) - 4} more failed rounds")
+        ax.text(0, -0.18, "\n".join(reasons), transform=ax.transAxes, va="top", fontsize=8, color="#b4321e",
+                parse_math=False)  # a reason may quote a device id: "$" is no mathtext here
+    secured = sum(1 for m in metrics if secagg_facts(m).get("secured"))
+    note = f"secure aggregation: {secured} of {len(metrics)} rounds secured" if any(secagg_facts(m) for m in metrics) else ""
+    ax.set(xlabel="round", ylabel="devices dropped out",
+           title="\n".join(["Devices that dropped out of a round, by stage", *([note] if note else []), run_title(run)]))
+    ax.set_ylim(bottom=0, top=max(bottom + [1]) * 1.2)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    round_axis(ax, rounds)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return _save(fig, out_dir / "stages.png", plt)
 
 
 def _gain_bars(ax, run: RunDir, method: str) -> None:
@@ -333,6 +375,90 @@ def communication_table(run: RunDir) -> Table:
             total = fedavg[f"bytes_{way}_total"]
             table.add_row(f"[dim]{way}, FedAvg would send (weights)[/]", f"[dim]{human_bytes(total)}", f"[dim]{human_bytes(total / len(metrics))}",
                           f"[dim]{human_bytes(total / n_sel)}")
+    return table
+
+
+def few(ids: list[str], show: int = 8) -> str:
+    """``a, b, c and 5 more``."""
+    return ", ".join(str(i) for i in ids[:show]) + (f" and {len(ids) - show} more" if len(ids) > show else "")
+
+
+def secagg_facts(record: dict[str, Any]) -> dict[str, Any]:
+    """The record's secure aggregation (``filters.secagg``), or {} when the round had none."""
+    filters = record.get("filters")
+    secagg = filters.get("secagg") if isinstance(filters, dict) else None
+    return secagg if isinstance(secagg, dict) else {}
+
+
+def dropped_after_sharing(record: dict[str, Any]) -> list[str]:
+    """Devices of a secured round that shared their keys but whose masked upload never came."""
+    groups = secagg_facts(record).get("groups") or {}
+    return sorted(str(d) for g in groups.values() if isinstance(g, dict) for d in g.get("dropped_after_sharing") or [])
+
+
+def stage_drops(record: dict[str, Any]) -> dict[str, list[str]]:
+    """stage -> the devices that did not answer it, for the stages where someone did not."""
+    stages = record.get("stages")
+    if not isinstance(stages, dict):
+        return {}
+    return {str(name): [str(d) for d in facts["dropped"]] for name, facts in stages.items()
+            if isinstance(facts, dict) and facts.get("dropped")}
+
+
+def stage_notes(record: dict[str, Any], show: int = 8) -> list[str]:
+    """What a round's stages and secure aggregation add to its console line: ``secured``, who
+    dropped out of which stage (``dropped in secagg-unmask: client-7``), who shared keys but sent
+    no masked upload, and why the round failed. Empty for a round without them. Not escaped: ids
+    and reasons come from the network, the caller escapes them for where it prints."""
+    notes = ["secured"] if secagg_facts(record).get("secured") else []
+    notes += [f"dropped in {name}: {few(ids, show)}" for name, ids in stage_drops(record).items()]
+    after = dropped_after_sharing(record)
+    if after:
+        notes.append(f"shared keys, no masked upload: {few(after, show)}")
+    if record.get("failure"):
+        notes.append(f"failed: {record['failure']}")
+    return notes
+
+
+def has_stages(metrics: list[dict[str, Any]]) -> bool:
+    """Any round of the run ran stages, was secured or failed in a stage."""
+    return any(m.get("stages") or secagg_facts(m) or m.get("failure") for m in metrics)
+
+
+#: rounds the rounds table lists in full; a longer run lists only its rounds with drop-outs or failures
+ROUNDS_TABLE_MAX = 30
+
+
+def rounds_table(run: RunDir) -> Table | None:
+    """A run with stages or secure aggregation: per round, its outcome, whether it was secured,
+    how many devices dropped out in which stage (and the first of them), and why a failed round
+    failed. None for a run without stages. Ids and reasons are escaped (they come from devices)."""
+    from edgefl.safetext import console_text
+
+    metrics = [m for m in run.metrics() if m.get("mode") != "async"]
+    if not has_stages(metrics):
+        return None
+    eventful = [m for m in metrics if m.get("outcome") == "failed" or m.get("failure") or stage_drops(m) or dropped_after_sharing(m)]
+    rows = metrics if len(metrics) <= ROUNDS_TABLE_MAX else eventful
+    secured = sum(1 for m in metrics if secagg_facts(m).get("secured"))
+    title = f"rounds - {secured} of {len(metrics)} secured" if any(secagg_facts(m) for m in metrics) else "rounds"
+    if rows is eventful and len(metrics) > ROUNDS_TABLE_MAX:
+        title += f"; the {len(eventful)} with drop-outs or failures"
+    table = Table(title=title)
+    for col, justify in (("round", "right"), ("outcome", "left"), ("reported", "right"), ("secured", "left"),
+                         ("dropped (stage: devices)", "left"), ("why it failed", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for m in rows:
+        drops = [f"{name}: {len(ids)} ({few(ids, 3)})" for name, ids in stage_drops(m).items()]
+        after = dropped_after_sharing(m)
+        if after:
+            drops.append(f"shared keys, no masked upload: {len(after)} ({few(after, 3)})")
+        facts = secagg_facts(m)
+        outcome = str(m.get("outcome"))
+        table.add_row(str(m.get("round")), f"[red]{console_text(outcome)}[/]" if outcome == "failed" else console_text(outcome),
+                      f"{len(m.get('reported') or [])}/{len(m.get('selected') or [])}",
+                      ("[green]yes[/]" if facts.get("secured") else "no") if facts else "",
+                      "\n".join(console_text(d, 1000) for d in drops), console_text(m.get("failure") or "", 1000))
     return table
 
 

@@ -2,12 +2,14 @@
 
 The round loop's events (presence, round started, uploads, refusals, round closed) update one
 small document: every device (online, class, model, last round reported, receipts counted by
-status, the last refusal's reason), the current round (selected, trained, reported, quorum,
-deadline) and the last refusals. It is written atomically, at most twice a second and at every
-round's start, evaluation and close, so a dashboard in another process (or a finished run's
-directory) reads a consistent picture; a change that falls inside the half second is written when
-it ends, so the page never stays behind the console. Bounded by the fleet: one entry per
-configured device, 50 recent refusals.
+status, the last refusal's reason, the stages it dropped out of), the current round (selected,
+trained, reported, quorum, deadline; in a round with stages also the stage under way, what each
+stage asked and got, who did not answer it, why a stage failed the round, and whether secure
+aggregation secured the round) and the last refusals. It is written atomically, at most twice a
+second and at every round's start, stage, evaluation and close, so a dashboard in another
+process (or a finished run's directory) reads a consistent picture; a change that falls inside
+the half second is written when it ends, so the page never stays behind the console. Bounded by
+the fleet: one entry per configured device, 50 recent refusals.
 
 "trained" (a simulation's device finished its training: what its console counts as "devices
 done") is separate from "reported" (the server accepted the upload): the in-memory network hands
@@ -68,10 +70,29 @@ class LiveState:
         elif kind == "round":
             selected = info["selected"]
             self._reported, self._trained = set(), set()
+            before = self.doc["round"] if self.doc["round"] is not None and self.doc["round"]["round"] == info["round"] else None
             self.doc["round"] = {"round": info["round"], "selected": selected, "trained": [], "reported": [],
                                  "quorum": self._quorum_count(len(selected)), "deadline_unix": info.get("deadline_unix"),
-                                 "started_unix": time.time(), "outcome": None}
+                                 "started_unix": before["started_unix"] if before else time.time(), "outcome": None,
+                                 "stage": None, "stages": before["stages"] if before else {}}
             self.doc["status"] = "running"
+            force = True
+        elif kind == "stage":  # an exchange besides training; those before it come before the "round" event
+            current = self.doc["round"]
+            if current is None or current["round"] != info.get("round"):
+                self._reported, self._trained = set(), set()
+                current = self.doc["round"] = {"round": info.get("round"), "selected": [], "trained": [], "reported": [],
+                                               "quorum": None, "deadline_unix": None, "started_unix": time.time(),
+                                               "outcome": None, "stages": {}}
+            current["stage"] = info.get("stage")
+            current.setdefault("stages", {})[info.get("stage")] = {"asked": info.get("asked")}
+            self.doc["status"] = "running"
+            force = True
+        elif kind == "stage_failed":
+            current = self.doc["round"]
+            if current is not None and current["round"] == info.get("round"):
+                current["failure"] = info.get("reason")
+                current.setdefault("stages", {}).setdefault(info.get("stage"), {})["failed"] = True
             force = True
         elif kind == "trained" and info.get("device") in devices:
             current = self.doc["round"]
@@ -106,9 +127,30 @@ class LiveState:
             accuracy = info.get("accuracy") or {}
             if accuracy.get("judged_on"):  # what the accuracy was measured on (server test set, devices' own data)
                 self.doc["accuracy_judged_on"] = accuracy["judged_on"]
-            if self.doc["round"] is not None:
-                self.doc["round"]["outcome"] = info.get("outcome")
-                self.doc["round"]["stragglers"] = info.get("stragglers", [])
+            current = self.doc["round"]
+            if info.get("stages") and (current is None or current["round"] != info.get("round")):
+                # a round with stages whose "round" event never came and whose stages were not watched either
+                current = self.doc["round"] = {"round": info["round"], "selected": info["selected"], "trained": [],
+                                               "reported": list(info.get("reported", [])), "quorum": None,
+                                               "deadline_unix": None, "started_unix": None, "outcome": None}
+            if current is not None:
+                current["outcome"] = info.get("outcome")
+                current["stragglers"] = info.get("stragglers", [])
+                current["stage"] = None
+                if info.get("stages"):  # what each stage asked, got and who did not answer (the record's numbers)
+                    current["stages"] = {name: {**current.get("stages", {}).get(name, {}), **facts}
+                                         for name, facts in info["stages"].items()}
+                    for name, facts in info["stages"].items():
+                        for device in facts.get("dropped") or []:
+                            if device in devices:
+                                entry = devices[device]
+                                entry["receipts"]["dropped"] = entry["receipts"].get("dropped", 0) + 1
+                                entry["last_dropped"] = {"round": info["round"], "stage": name}
+                if info.get("failure"):
+                    current["failure"] = info["failure"]
+                secagg = (info.get("filters") or {}).get("secagg") or {}
+                if secagg.get("secured"):
+                    current["secured"] = True
             force = True
         elif kind in ("joined", "evaluating"):
             force = True

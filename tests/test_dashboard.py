@@ -21,6 +21,58 @@ from tests.test_fleet import _device, fleet_config, wait_online
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+def secured_run_with_dropouts(path: Path, console=None) -> tuple[RunDir, list[tuple[str, dict, dict]]]:
+    """A real 4-round simulation under secure aggregation (ten MLPs in two groups, 4 neighbours,
+    threshold 2). Round 1 is plain; in round 2 client-1 dies after sharing its keys (no masked
+    upload) and client-7 after its masked upload (no answer to the unmasking); in round 3 only
+    client-0 answers the unmasking (fewer than t shares: the stage fails the round); in round 4
+    only client-0 and client-5 send keys (one device with keys per group: the keys stage fails the
+    round before any training). Returns the run and, per stage/round/closed event, the event and
+    live.json's current round just after it."""
+    from edgefl.filters.secagg import SecAgg
+    from edgefl.sim import Simulation
+    from tests.conftest import method_config
+
+    raw = method_config("fedavg", rounds=4)
+    raw.update(threads=1, network={"federation": "secagg-dashboard", "round_deadline_s": 60},
+               fleet={"groups": [{"model": "mlp", "count": 5, "options": {"hidden": [32, 16]}},
+                                 {"model": "mlp", "count": 5, "options": {"hidden": [24]}}]},
+               filters=[{"name": "secagg", "neighbours": 4, "threshold": 2}])
+    cfg = validate_config(raw)
+    real_out, real_answer = SecAgg.upload_out, SecAgg.answer_stage
+
+    def upload_out(self, message):
+        if message.round == 2 and self.device == "client-1":
+            raise RuntimeError("killed after sharing its keys")
+        return real_out(self, message)
+
+    def answer_stage(self, stage, request):
+        if stage == "secagg-unmask" and (request.round == 2 and self.device == "client-7"
+                                         or request.round == 3 and self.device != "client-0"):
+            return None
+        if stage == "secagg-keys" and request.round == 4 and self.device not in ("client-0", "client-5"):
+            return None
+        return real_answer(self, stage, request)
+
+    run = RunDir.create(path, cfg.name, cfg.seed)
+    seen: list[tuple[str, dict, dict]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SecAgg, "upload_out", upload_out)
+        mp.setattr(SecAgg, "answer_stage", answer_stage)
+        sim = Simulation(cfg, run, console=console, show_progress=console is not None)
+        live = sim.session.live
+        real_on_event = live.on_event
+
+        def on_event(kind: str, info: dict) -> None:
+            real_on_event(kind, info)
+            if kind in ("stage", "stage_failed", "round", "closed"):
+                seen.append((kind, info, json.loads(json.dumps(live.doc["round"]))))
+
+        live.on_event = on_event
+        sim.run()
+    return run, seen
+
+
 def finished_run(tmp_path: Path) -> RunDir:
     from edgefl.sim import Simulation
 
@@ -227,6 +279,156 @@ def test_a_change_held_back_by_the_write_limit_is_written_when_it_ends(tmp_path)
     assert doc["status"] == "interrupted" and not any(d["online"] for d in doc["devices"].values())
 
 
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory) -> tuple[RunDir, list[tuple[str, dict, dict]]]:
+    return secured_run_with_dropouts(tmp_path_factory.mktemp("secured") / "run")
+
+
+def test_live_state_follows_stages_drop_outs_and_failed_rounds_of_a_secured_run(secured):
+    run, seen = secured
+    # a stage before training comes before the "round" event: the round is shown from its first stage on
+    first = seen[0]
+    assert first[0] == "stage" and first[1]["stage"] == "secagg-keys"
+    assert first[2]["round"] == 1 and first[2]["stage"] == "secagg-keys" and first[2]["stages"] == {"secagg-keys": {"asked": 10}}
+    started = next(doc for kind, info, doc in seen if kind == "round" and info["round"] == 1)
+    assert started["stage"] is None and set(started["stages"]) == {"secagg-keys", "secagg-shares"}  # kept through "round"
+    assert len(started["selected"]) == 10
+    unmask = next(doc for kind, info, doc in seen if kind == "stage" and info == {"round": 2, "stage": "secagg-unmask", "asked": 9})
+    assert unmask["stage"] == "secagg-unmask" and unmask["outcome"] is None
+
+    closed = {info["round"]: doc for kind, info, doc in seen if kind == "closed"}
+    assert all(closed[r]["secured"] is True for r in (1, 2, 3, 4))
+    assert closed[1]["outcome"] == "complete" and all(s["dropped"] == [] for s in closed[1]["stages"].values())
+    assert closed[2]["outcome"] == "deadline" and closed[2]["stages"]["secagg-unmask"] == {"asked": 9, "answered": 8, "dropped": ["client-7"]}
+    assert "failure" not in closed[2]
+    # a stage after training failed the round: why, and which stage
+    assert closed[3]["outcome"] == "failed" and "needs 2 shares" in closed[3]["failure"]
+    assert closed[3]["stages"]["secagg-unmask"]["failed"] is True and len(closed[3]["stages"]["secagg-unmask"]["dropped"]) == 9
+    failed_event = next(doc for kind, info, doc in seen if kind == "stage_failed" and info["round"] == 3)
+    assert failed_event["failure"] == closed[3]["failure"]
+    # the keys stage failed round 4 before training: no "round" event, yet the page has the round
+    assert not [1 for kind, info, _ in seen if kind == "round" and info["round"] == 4]
+    assert closed[4]["round"] == 4 and closed[4]["selected"] == [] and closed[4]["outcome"] == "failed"
+    assert "one device with keys" in closed[4]["failure"] and closed[4]["stages"]["secagg-keys"]["failed"] is True
+    assert closed[4]["stages"]["secagg-keys"]["dropped"] == [f"client-{i}" for i in (1, 2, 3, 4, 6, 7, 8, 9)]
+
+    doc = json.loads((run.path / "live.json").read_text())
+    assert doc["status"] == "finished" and doc["round"] == closed[4]
+    seven = doc["devices"]["client-7"]
+    assert seven["receipts"]["dropped"] == 3 and seven["last_dropped"] == {"round": 4, "stage": "secagg-keys"}
+    assert "dropped" not in doc["devices"]["client-0"]["receipts"]  # never dropped out
+
+
+def test_the_snapshot_carries_each_round_s_stages_secured_and_failure(secured):
+    pytest.importorskip("starlette")
+    from edgefl.dashboard.app import IDS_SHOWN, snapshot
+
+    run, _ = secured
+    state = snapshot(run.path)
+    rounds = {r["round"]: r for r in state["rounds"]}
+    assert [rounds[r]["secured"] for r in (1, 2, 3, 4)] == [True] * 4
+    assert rounds[2]["stages"]["secagg-unmask"] == {"asked": 9, "answered": 8, "dropped": {"count": 1, "ids": ["client-7"]}}
+    groups = rounds[2]["secagg"]["groups"]
+    assert sorted(g["dropped_after_sharing"]["ids"] for g in groups.values()) == [[], ["client-1"]]
+    assert "failure" not in rounds[2] and "needs 2 shares" in rounds[3]["failure"] and "one device with keys" in rounds[4]["failure"]
+    assert state["round"]["stages"]["secagg-keys"]["dropped"]["count"] == 8  # the live round's ids, cut the same way
+    assert "secured" not in snapshot(finished_run(run.path.parent / "plain").path)["rounds"][0]  # a plain run: no such fields
+
+    # thousands of devices dropped: the count is whole, the ids are the first IDS_SHOWN
+    record = json.loads((run.path / "metrics.jsonl").read_text().splitlines()[0])
+    record["stages"]["secagg-keys"]["dropped"] = [f"d{i}" for i in range(3000)]
+    big = run.path.parent / "big"
+    big.mkdir()
+    (big / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    dropped = snapshot(big)["rounds"][0]["stages"]["secagg-keys"]["dropped"]
+    assert dropped["count"] == 3000 and dropped["ids"] == [f"d{i}" for i in range(IDS_SHOWN)]
+
+
+#: what a device can name itself or put in a reason: shown as text, never run as HTML
+HOSTILE_ID = '<img src=x onerror="window.__pwned=1">'
+HOSTILE_REASON = "<script>window.__pwned=2</script> [/] \x1b[2J"
+
+
+def _hostile_copy(run: RunDir, to: Path) -> Path:
+    """The secured run's directory with hostile device ids and reasons where devices put them."""
+    shutil.copytree(run.path, to)
+    records = [json.loads(line) for line in (to / "metrics.jsonl").read_text().splitlines()]
+    records[1]["stages"]["secagg-unmask"]["dropped"].append(HOSTILE_ID)
+    next(g for g in records[1]["filters"]["secagg"]["groups"].values() if g["dropped_after_sharing"])["dropped_after_sharing"].append(HOSTILE_ID)
+    records[2]["failure"] += " " + HOSTILE_REASON
+    (to / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    live = json.loads((to / "live.json").read_text())
+    live["round"]["stages"]["secagg-keys"]["dropped"].append(HOSTILE_ID)
+    live["round"]["failure"] += " " + HOSTILE_REASON
+    live["rejections"] = [{"device": HOSTILE_ID, "reason": HOSTILE_REASON, "unix": 0}]
+    live["rejections_total"] = 1
+    (to / "live.json").write_text(json.dumps(live))
+    return to
+
+
+def test_a_secured_run_s_rounds_drop_outs_and_failures_in_a_real_browser(secured, tmp_path):
+    pytest.importorskip("starlette")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from edgefl.dashboard import start_dashboard
+
+    run, _ = secured
+    folder = _hostile_copy(run, tmp_path / "run")
+    errors: list[str] = []
+    board = start_dashboard(folder, "127.0.0.1", 0)
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1400})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(board.url)
+            page.wait_for_function("document.querySelectorAll('#rounds-body tr').length === 4", timeout=30_000)
+            assert page.inner_text("#secured") == "secure aggregation: 4 of 4 rounds secured"
+            heads = page.locator("#rounds-head th").all_inner_texts()
+            assert heads == ["round", "outcome", "reported", "accuracy", "secured", "dropped in stages", "why it failed"]
+            row = {r: page.locator(f'#rounds-body tr[data-round="{r}"]') for r in (1, 2, 3, 4)}
+            assert all("secured" in row[r].inner_text() for r in row)
+            assert "secagg-unmask: 2" in row[2].inner_text() and "dropped after sharing: 2" in row[2].inner_text()
+            unmask = row[2].locator("details", has_text="secagg-unmask")
+            assert "client-7" not in unmask.inner_text()
+            unmask.locator("summary").click()  # the ids under the count
+            assert "client-7" in unmask.inner_text() and HOSTILE_ID in unmask.inner_text()
+            assert unmask.get_attribute("title") == f"client-7, {HOSTILE_ID}"  # on hover too
+            assert "needs 2 shares" in row[3].inner_text() and HOSTILE_REASON.split(" \x1b")[0] in row[3].inner_text()
+            assert "one device with keys" in row[4].inner_text() and "failed" in row[4].inner_text()
+            # the current round: the keys stage failed it before training, with the reason
+            assert "closed: failed" in page.inner_text("#round-line") and "secured" in page.inner_text("#round-line")
+            assert "one device with keys" in page.inner_text("#round-failure")
+            assert "secagg-keys 2 of 10" in page.inner_text("#round-stages")
+            # the drop-outs by stage, the ids and a failed round's reason in the tooltip
+            assert page.is_visible("#dropouts")
+            chart = page.evaluate("""(() => { const c = Chart.getChart('dropouts'); const d = c.data.datasets;
+              const cb = c.options.plugins.tooltip.callbacks; const unmask = d.find((x) => x.label === 'secagg-unmask');
+              return { labels: c.data.labels, sets: d.map((x) => [x.label, x.data]),
+                       ids: cb.afterLabel({ dataset: unmask, dataIndex: 1 }),
+                       why: cb.footer([{ chart: c, dataIndex: 2 }]) }; })()""")
+            assert chart["labels"] == [1, 2, "3 (failed)", "4 (failed)"]
+            assert dict(chart["sets"]) == {"secagg-keys": [0, 0, 0, 8], "secagg-shares": [0, 0, 0, 0], "secagg-unmask": [0, 2, 9, 0],
+                                           "shared keys, no masked upload": [0, 2, 0, 0]}
+            assert chart["ids"] == f"client-7, {HOSTILE_ID}" and chart["why"].startswith("round failed: secagg: the self mask")
+            # devices: how often each dropped out of a stage
+            seven = page.locator('#devices tbody tr[data-device="client-7"] td').all_inner_texts()
+            assert seven[9] == "3"
+            # refusals are still listed with their reasons, as text
+            assert HOSTILE_ID in page.inner_text("#rejections") and "<script>" in page.inner_text("#rejections")
+            page.check("#only-dropped")
+            page.wait_for_function("document.querySelectorAll('#rounds-body tr').length === 3")
+            assert "(4; 3 with drop-outs or failed)" in page.inner_text("#rounds-count")
+            page.screenshot(path=str(tmp_path / "secured.png"), full_page=True)
+            # nothing a device wrote became markup
+            assert page.evaluate("window.__pwned") is None
+            assert page.locator("img, script:not([src])").count() == 0
+            browser.close()
+    finally:
+        board.stop()
+    assert errors == [], errors
+
+
 def test_the_snapshot_carries_the_baseline_beside_the_run(tmp_path):
     pytest.importorskip("starlette")
     from edgefl.dashboard.app import snapshot
@@ -254,12 +456,14 @@ global.setInterval = () => 0; global.clearInterval = () => {};
 eval(fs.readFileSync(process.argv[2], "utf8") + "\nglobal.__draw = draw; global.__charts = charts;");
 __draw(JSON.parse(fs.readFileSync(process.argv[3], "utf8")));
 console.log(JSON.stringify({ round: els["round"].innerHTML, count: els["device-count"].textContent,
-  datasets: __charts.accuracy.data.datasets.map((d) => d.label) }));
+  datasets: __charts.accuracy.data.datasets.map((d) => d.label), rounds: els["rounds-body"].innerHTML,
+  head: els["rounds-head"].innerHTML, devices: els["devices tbody"].innerHTML, secured: els["secured"].textContent,
+  dropouts: __charts.dropouts.data.datasets.map((d) => [d.label, d.data]), dropoutsHidden: els["dropouts-panel"].hidden }));
 """
 
 
-@pytest.mark.parametrize("runner", ["simulation", "fleet"])
-def test_the_page_counts_what_the_console_counts(tmp_path, runner):
+def _page_under_node(tmp_path: Path, state: dict) -> dict:
+    """What app.js's draw() writes for ``state``, run under node against a stand-in DOM."""
     node = shutil.which("node") or shutil.which("nodejs")
     if node is None:
         pytest.skip("node is not installed")
@@ -267,6 +471,16 @@ def test_the_page_counts_what_the_console_counts(tmp_path, runner):
 
     from edgefl.dashboard import app
 
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    (tmp_path / "page.js").write_text(PAGE_UNDER_NODE)
+    res = subprocess.run([node, str(tmp_path / "page.js"), str(app.STATIC / "app.js"), str(tmp_path / "state.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("runner", ["simulation", "fleet"])
+def test_the_page_counts_what_the_console_counts(tmp_path, runner):
     ids = [f"client-{i}" for i in range(10)]
     state = {"run": {"name": "x", "runner": runner, "rounds": 12}, "status": "running", "rounds": [], "rejections": [],
              "rejections_total": 0, "baseline_rounds": [{"round": 3, "accuracy": {"overall": 0.5, "per_arch": {}}}],
@@ -276,12 +490,7 @@ def test_the_page_counts_what_the_console_counts(tmp_path, runner):
              "devices": {d: {"arch": "mlp", "online": True, "receipts": {}} for d in ids}}
 
     def page(state: dict) -> dict:
-        (tmp_path / "state.json").write_text(json.dumps(state))
-        (tmp_path / "page.js").write_text(PAGE_UNDER_NODE)
-        res = subprocess.run([node, str(tmp_path / "page.js"), str(app.STATIC / "app.js"), str(tmp_path / "state.json")],
-                             capture_output=True, text=True, timeout=60)
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout)
+        return _page_under_node(tmp_path, state)
 
     shown = page(state)
     if runner == "simulation":  # the console's "training, 3/10 devices done"
@@ -292,3 +501,38 @@ def test_the_page_counts_what_the_console_counts(tmp_path, runner):
     state["status"] = "finished"
     state["devices"] = {d: {**v, "online": False} for d, v in state["devices"].items()}
     assert page(state)["count"] == "(10; 0 online, the run has ended)"
+    assert shown["head"].count("<th>") == 4 and shown["dropouts"] == [] and shown["dropoutsHidden"] is True  # no stages: no such columns
+
+
+def test_the_page_writes_device_ids_and_reasons_as_text(tmp_path):
+    """Ids and reasons a device chose, wherever the page shows them (the current round's stages,
+    stragglers and failure, the rounds table, the device table's last drop-out, refusals), are
+    escaped; a stage under way before training is shown without counts."""
+    pytest.importorskip("starlette")
+    bad = HOSTILE_ID
+    state = {"run": {"name": "x", "runner": "fleet", "rounds": 3}, "status": "running", "baseline_rounds": [],
+             "rejections": [{"device": bad, "reason": HOSTILE_REASON}], "rejections_total": 1,
+             "round": {"round": 3, "selected": [], "trained": [], "reported": [], "quorum": None, "outcome": None,
+                       "stage": "secagg-keys", "stages": {"secagg-keys": {"asked": 10, "dropped": {"count": 0, "ids": []}}}},
+             "rounds": [{"round": 1, "outcome": "complete", "reported": 9, "selected": 10, "accuracy": None, "secured": True,
+                         "stages": {"secagg-unmask": {"asked": 10, "answered": 9, "dropped": {"count": 1, "ids": [bad]}}},
+                         "secagg": {"groups": {bad: {"summed": 9, "shared": 10, "threshold": 2, "neighbours": 4,
+                                                      "dropped_after_sharing": {"count": 1, "ids": [bad]}}}}},
+                        {"round": 2, "outcome": "failed", "reported": 0, "selected": 10, "accuracy": None, "secured": True,
+                         "failure": HOSTILE_REASON, "stages": {}}],
+             "devices": {bad: {"arch": bad, "profile": bad, "online": True, "receipts": {"dropped": 1}, "last_reason": HOSTILE_REASON,
+                               "last_dropped": {"round": 1, "stage": bad}}}}
+    shown = _page_under_node(tmp_path, state)
+    for html in (shown["round"], shown["rounds"], shown["devices"]):
+        assert "<img" not in html and "<script" not in html
+    assert "&lt;img" in shown["rounds"] and "&lt;script&gt;" in shown["rounds"] and "&lt;img" in shown["devices"]
+    assert 'title="&lt;img src=x onerror=&quot;window.__pwned=1&quot;&gt;"' in shown["rounds"]  # attributes stay closed
+    assert "in stage secagg-keys" in shown["round"] and "selected" not in shown["round"]  # no selection yet: no counts
+    assert "secagg-keys 10 asked, under way" in shown["round"]
+    assert shown["secured"] == "secure aggregation: 2 of 2 rounds secured"
+    assert dict(shown["dropouts"]) == {"secagg-unmask": [1, 0], "shared keys, no masked upload": [1, 0]}
+    # a live round closed with stragglers whose ids are markup
+    state["round"] = {"round": 3, "selected": [bad], "trained": [], "reported": [], "quorum": 1, "outcome": "deadline",
+                      "stragglers": [bad], "failure": HOSTILE_REASON}
+    html = _page_under_node(tmp_path, state)["round"]
+    assert "<img" not in html and "<script" not in html and "stragglers: &lt;img" in html and "failed: &lt;script&gt;" in html

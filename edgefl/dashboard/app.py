@@ -5,7 +5,8 @@ fleet, a run still going (``live.json`` and ``metrics.jsonl`` grow) and a finish
 
 * ``GET /``: the page (HTML, our JS, Chart.js vendored from npm: no network at run time);
 * ``GET /api/state``: one JSON snapshot (run facts, devices, the current round, refusals,
-  every round's metrics, the summary when there is one);
+  every round's metrics with its stages, failure and secure aggregation, the summary when there
+  is one);
 * ``GET /api/events``: server-sent events, a ``state`` event with the snapshot whenever a file of
   the run changed (checked every ``poll_s``).
 
@@ -58,6 +59,44 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+#: device ids the page gets per stage and round (the count is always whole): hundreds of rounds of
+#: thousands of devices would make every snapshot megabytes
+IDS_SHOWN = 50
+
+
+def _ids(ids: Any) -> dict[str, Any]:
+    ids = ids if isinstance(ids, list) else []
+    return {"count": len(ids), "ids": ids[:IDS_SHOWN]}
+
+
+def _stage_facts(m: dict[str, Any]) -> dict[str, Any]:
+    """A round's stages (asked, answered, who did not answer), why one failed the round, and its
+    secure aggregation (secured or not, devices summed, who dropped after sharing) from its record."""
+    out: dict[str, Any] = {}
+    if isinstance(m.get("stages"), dict):
+        out["stages"] = {str(name): {"asked": s.get("asked"), "answered": s.get("answered"), "dropped": _ids(s.get("dropped"))}
+                         for name, s in m["stages"].items() if isinstance(s, dict)}
+    if m.get("failure"):
+        out["failure"] = str(m["failure"])
+    secagg = (m.get("filters") or {}).get("secagg") if isinstance(m.get("filters"), dict) else None
+    if isinstance(secagg, dict):
+        groups = {str(name): g for name, g in (secagg.get("groups") or {}).items() if isinstance(g, dict)}
+        out["secured"] = bool(secagg.get("secured"))
+        out["secagg"] = {"groups": {name: {"keys": g.get("keys"), "shared": g.get("shared"), "summed": g.get("summed"),
+                                           "threshold": g.get("threshold"), "neighbours": g.get("neighbours"),
+                                           "dropped_after_sharing": _ids(g.get("dropped_after_sharing"))}
+                                    for name, g in groups.items()}}
+    return out
+
+
+def _live_round(current: Any) -> Any:
+    """live.json's current round, its stages' dropped ids cut like the records' (:data:`IDS_SHOWN`)."""
+    if not isinstance(current, dict) or not isinstance(current.get("stages"), dict):
+        return current
+    stages = {str(name): {**s, "dropped": _ids(s.get("dropped"))} for name, s in current["stages"].items() if isinstance(s, dict)}
+    return {**current, "stages": stages}
+
+
 def snapshot(run_dir: Path) -> dict[str, Any]:
     """What the page shows, from the run directory alone."""
     run = _read_json(run_dir / "run.json") or {}
@@ -75,7 +114,7 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
         "bytes_down": m.get("bytes_down"), "reported": len(m.get("reported", [])), "selected": len(m.get("selected", [])),
         "missing": m.get("missing", []), "rejected": m.get("rejected"), "round_virtual_s": m.get("round_virtual_s"),
         "virtual_time_by_profile": m.get("virtual_time_by_profile"), "stragglers": m.get("stragglers", []),
-        "round_time_s": m.get("round_time_s"),
+        "round_time_s": m.get("round_time_s"), **_stage_facts(m),
     } for m in metrics]
     status = (live or {}).get("status") or ("finished" if summary else "unknown")
     if summary is not None and status == "running":
@@ -92,7 +131,7 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
                 "runner": run.get("runner"), "rounds": rounds_planned, "seed": run.get("seed"),
                 "deadline_s": run.get("deadline_s"), "virtual_clock": bool(run.get("device_profiles"))},
         "status": status,
-        "round": (live or {}).get("round"),
+        "round": _live_round((live or {}).get("round")),
         "devices": devices,
         "rejections": (live or {}).get("rejections", []),
         "rejections_total": (live or {}).get("rejections_total", 0),

@@ -25,8 +25,9 @@ from edgefl.data import Dataset
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.heartbeat import Heartbeat
-from edgefl.report import human_bytes
+from edgefl.report import human_bytes, stage_notes
 from edgefl.rundir import RunDir
+from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
 from edgefl.server.session import RunSession, model_meta, safe_name
@@ -160,8 +161,22 @@ class Simulation:
         # the same progress as plain lines every 10 s when stderr is a log, not a terminal
         heartbeat = Heartbeat(self.console, enabled=self.show_progress and not self.console.is_terminal)
 
+        stage_task: list[Any] = [None]  # the stage under way: a spinner until the next stage, the training or the round's end
+
+        def end_stage() -> None:
+            if stage_task[0] is not None:
+                progress.remove_task(stage_task[0])
+                stage_task[0] = None
+
         def on_event(kind: str, info: dict[str, Any]) -> None:  # a bar per round, advanced by each device's training
+            if kind == "stage":  # an exchange besides training (secure aggregation's keys, shares, unmasking)
+                end_stage()
+                stage_task[0] = progress.add_task(f"round {info['round']}: stage {info['stage']}, {info['asked']} devices asked", total=None)
+                heartbeat.status(f"round {info['round']}/{cfg.rounds}: stage {info['stage']}, {info['asked']} devices asked")
+            elif kind == "stage_failed":
+                end_stage()
             if kind == "round":
+                end_stage()
                 r, n = info["round"], len(info["selected"])
                 task = progress.add_task(f"round {r}: clients", total=n)
                 trained = [0]
@@ -180,6 +195,7 @@ class Simulation:
                 progress.update(rounds_task, completed=info["version"])
                 heartbeat.status(f"update {info['version']}/{cfg.rounds}")
             elif kind == "closed":
+                stage_task[0] = None
                 for task in [t.id for t in progress.tasks if t.id != rounds_task]:
                     progress.remove_task(task)
                 if cfg.mode == "sync":
@@ -339,7 +355,10 @@ def round_line(record: dict[str, Any], total: int) -> str:
         by_class = ", ".join(f"{k} {v:.1f}s" for k, v in (record.get("virtual_time_by_profile") or {}).items())
         stragglers = record.get("stragglers") or []
         clock = f"  virtual {record['round_virtual_s']:.1f}s ({by_class})" + (f", {len(stragglers)} straggler(s) dropped" if stragglers else "")
+    # secured, who dropped out of which stage, why a stage failed the round: ids and reasons come
+    # from devices, so control characters are escaped (the line is printed without markup)
+    notes = "".join(f"  {printable(note, 1000)}" for note in stage_notes(record, show=3))
     return (
         f"{'update' if record.get('mode') == 'async' else 'round'} {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
-        f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}"
+        f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}{notes}"
     )
