@@ -405,12 +405,31 @@ def stage_drops(record: dict[str, Any]) -> dict[str, list[str]]:
             if isinstance(facts, dict) and facts.get("dropped")}
 
 
+def privacy_spent(record: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """The epsilon each differential-privacy filter reports after this round, with its delta
+    (``filters.<name>.epsilon``, or ``epsilon_max`` over devices for local DP)."""
+    out = {}
+    for name, facts in (record.get("filters") or {}).items():
+        if not isinstance(facts, dict):
+            continue
+        epsilon = facts.get("epsilon", facts.get("epsilon_max"))
+        if isinstance(epsilon, (int, float)) and isinstance(facts.get("delta"), (int, float)):
+            out[str(name)] = (float(epsilon), float(facts["delta"]))
+    return out
+
+
+def privacy_notes(record: dict[str, Any]) -> list[str]:
+    """``dp-fedavg epsilon 2.31 (delta 1e-05)`` for each DP filter of the round."""
+    return [f"{name} epsilon {eps:.3g} (delta {delta:g})" for name, (eps, delta) in privacy_spent(record).items()]
+
+
 def stage_notes(record: dict[str, Any], show: int = 8) -> list[str]:
     """What a round's stages and secure aggregation add to its console line: ``secured``, who
     dropped out of which stage (``dropped in secagg-unmask: client-7``), who shared keys but sent
     no masked upload, and why the round failed. Empty for a round without them. Not escaped: ids
     and reasons come from the network, the caller escapes them for where it prints."""
     notes = ["secured"] if secagg_facts(record).get("secured") else []
+    notes += privacy_notes(record)
     notes += [f"dropped in {name}: {few(ids, show)}" for name, ids in stage_drops(record).items()]
     after = dropped_after_sharing(record)
     if after:

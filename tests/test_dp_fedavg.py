@@ -217,3 +217,21 @@ def test_adaptive_clipping_spends_no_more_than_its_noise_multiplier_and_is_refus
         validate_config(raw)
     with pytest.raises(ConfigError, match="raise count_noise"):
         _config({"clip": 1.0, "noise_multiplier": 1.0, "adaptive": True, "count_noise": 0.1})
+
+
+def test_the_console_line_the_report_and_the_dashboard_say_the_epsilon_spent(tmp_path):
+    from edgefl.dashboard.app import snapshot
+    from edgefl.sim import Simulation
+    from edgefl.sim.engine import round_line
+
+    cfg = _config({"clip": 1.0, "noise_multiplier": 0.8})
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    Simulation(cfg, run, show_progress=False).run()
+    records = _records(tmp_path / "run")
+    eps = records[-1]["filters"]["dp-fedavg"]["epsilon"]
+    line = round_line(json_record := __import__("json").loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1]), 2)
+    assert f"dp-fedavg epsilon {eps:.3g} (delta 1e-05)" in line, line
+    snap = snapshot(run.path)
+    assert snap["rounds"][-1]["privacy"]["dp-fedavg"]["epsilon"] == json_record["filters"]["dp-fedavg"]["epsilon"]
+    script = (__import__("pathlib").Path(__file__).resolve().parent.parent / "edgefl/dashboard/static/app.js").read_text()
+    assert "epsilon spent" in script and "privacy-now" in script

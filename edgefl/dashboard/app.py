@@ -78,6 +78,11 @@ def _stage_facts(m: dict[str, Any]) -> dict[str, Any]:
                          for name, s in m["stages"].items() if isinstance(s, dict)}
     if m.get("failure"):
         out["failure"] = str(m["failure"])
+    from edgefl.report import privacy_spent
+
+    spent = privacy_spent(m)
+    if spent:
+        out["privacy"] = {name: {"epsilon": eps, "delta": delta} for name, (eps, delta) in spent.items()}
     secagg = (m.get("filters") or {}).get("secagg") if isinstance(m.get("filters"), dict) else None
     if isinstance(secagg, dict):
         groups = {str(name): g for name, g in (secagg.get("groups") or {}).items() if isinstance(g, dict)}

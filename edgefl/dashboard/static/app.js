@@ -156,10 +156,19 @@ function drawCharts(rounds, baselineRounds) {
 // every round: outcome, reports, accuracy, and with stages or secure aggregation, whether it was
 // secured, who dropped out where and why a round failed (newest first)
 const ROUNDS_SHOWN = 100;
+// the epsilon each differential-privacy filter has spent after a round: "dp-fedavg 2.31 (delta 1e-05)"
+function privacyText(r) {
+  return Object.entries(r.privacy || {}).map(([name, p]) => `${name} ${Number(p.epsilon).toPrecision(3)} (delta ${p.delta})`).join("; ");
+}
+
 function drawRoundTable(s) {
   const staged = s.rounds.some((r) => r.stages || r.secagg || r.failure);
+  const private_ = s.rounds.some((r) => r.privacy);
   el("rounds-head").innerHTML = "<tr><th>round</th><th>outcome</th><th>reported</th><th>accuracy</th>"
+    + (private_ ? "<th>epsilon spent</th>" : "")
     + (staged ? "<th>secured</th><th>dropped in stages</th><th>why it failed</th>" : "") + "</tr>";
+  const last = s.rounds.length ? privacyText(s.rounds[s.rounds.length - 1]) : "";
+  el("privacy-now").textContent = last ? `differential privacy: epsilon spent ${last}` : "";
   const only = el("only-dropped").checked;
   const rows = s.rounds.filter((r) => !only || r.outcome === "failed" || r.failure
     || Object.values(r.stages || {}).some((st) => dropped(st).count) || afterSharing(r).count);
@@ -172,6 +181,7 @@ function drawRoundTable(s) {
     return `<tr data-round="${text(r.round)}"><td class="num">${text(r.round)}</td>`
       + `<td class="${r.outcome === "failed" ? "off" : ""}">${escapeHtml(text(r.outcome))}</td>`
       + `<td class="num">${text(r.reported)} of ${text(r.selected)}</td><td class="num">${acc}</td>`
+      + (private_ ? `<td class="num">${escapeHtml(privacyText(r))}</td>` : "")
       + (staged ? `<td>${securedHtml(r)}</td><td>${drops}</td><td class="reason">${escapeHtml(text(r.failure))}</td>` : "")
       + "</tr>";
   }).join("");
