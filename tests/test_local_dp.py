@@ -40,7 +40,7 @@ def test_fedhe_rows_are_clipped_and_noised_with_the_upload_s_sensitivity_by_hand
     assert torch.equal(out.tensors["classes"], torch.tensor([0, 2]))
 
 
-@pytest.mark.parametrize("method", ["fedhe", "chfl"])
+@pytest.mark.parametrize("method", ["fedhe", "chfl", "felo", "velo"])
 def test_a_local_dp_run_records_each_device_s_epsilon_and_repeats_with_the_seed(method, tmp_path):
     from edgefl.sim import Simulation
 
@@ -67,6 +67,10 @@ def test_local_dp_runs_under_secure_aggregation(tmp_path):
 def test_weight_methods_and_bad_options_are_refused():
     with pytest.raises(ConfigError, match="dp-fedavg"):
         _config("fedavg")
+    from edgefl.algorithms.felo import KNOWLEDGE
+    from edgefl.filters import local_dp
+
+    assert local_dp.KNOWLEDGE == KNOWLEDGE
     with pytest.raises(ConfigError, match="noise_multiplier"):
         _config("fedhe", {"noise_multiplier": -1})
     with pytest.raises(ConfigError, match="clip"):

@@ -10,6 +10,10 @@ rounds a device takes part in (:mod:`edgefl.privacy.accounting`, sampling rate 1
   the device reports at most C rows, so two uploads differ by at most 2 x clip x sqrt(C).
 * CHFL (``head``): the change of the head since its download, clipped to ``clip`` over weight
   and bias: sensitivity 2 x clip.
+* Felo and Velo (``class_features``): each reported class's row, its mean feature followed by its
+  mean logits, clipped to ``clip``: sensitivity 2 x clip x sqrt(C). The weights the same upload
+  carries (averaged within architecture groups) are not noised: local-dp protects the knowledge,
+  not the weights.
 
 Counts: FedHe's server weights each device's row of a class the same (Eq. 10, uniform
 weighting), so the counts do not enter the released values; which classes a device reports and
@@ -33,6 +37,7 @@ from edgefl.privacy.accounting import Gaussian
 from edgefl.seeding import derive_seed
 
 META = "filter.local-dp"
+KNOWLEDGE = "class."  # Felo's and Velo's per-class tensors (edgefl.algorithms.felo.KNOWLEDGE)
 
 
 class LocalDPOptions(FilterOptions):
@@ -54,9 +59,9 @@ class LocalDP(Filter):
 
     @classmethod
     def refusal(cls, options: FilterOptions, spec: Any, **run: Any) -> str | None:
-        if spec.uploads not in (("class_logits",), ("head",)):
-            return (f"{spec.name} uploads {', '.join(spec.uploads)}: local-dp noises FedHe's per-class logits and CHFL's head "
-                    "(weight methods take dp-fedavg)")
+        if spec.uploads not in (("class_logits",), ("head",), ("class_features",)):
+            return (f"{spec.name} uploads {', '.join(spec.uploads)}: local-dp noises knowledge uploads (FedHe's per-class logits, "
+                    "Felo's and Velo's per-class features and logits, CHFL's head); weight methods take dp-fedavg")
         chain = list(run.get("chain", []))
         if "secagg" in chain and chain.index("secagg") < chain.index(cls.name):
             return "put local-dp before secagg in [[filters]]: the noise must be added before the upload is masked"
@@ -82,6 +87,18 @@ class LocalDP(Filter):
             sd = o.noise_multiplier * 2 * o.clip * math.sqrt(c)
             noisy = clipped + self._noise(clipped.shape, sd, message.round)
             tensors = {**message.tensors, "logits": noisy.to(message.tensors["logits"].dtype)}
+        elif message.kind == "class_features":
+            # each class's row [mean feature | mean logits] clipped to clip: two uploads differ by at most
+            # 2 clip sqrt(C) over C classes; the weights in the same upload are not touched (see the docstring)
+            feats, logits = message.tensors[KNOWLEDGE + "features"].detach().double(), message.tensors[KNOWLEDGE + "logits"].detach().double()
+            rows = torch.cat([feats, logits], dim=1)
+            norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            rows = rows * torch.clamp(o.clip / norms, max=1.0)
+            sd = o.noise_multiplier * 2 * o.clip * math.sqrt(logits.shape[1])
+            rows = rows + self._noise(rows.shape, sd, message.round)
+            f = feats.shape[1]
+            tensors = {**message.tensors, KNOWLEDGE + "features": rows[:, :f].to(message.tensors[KNOWLEDGE + "features"].dtype),
+                       KNOWLEDGE + "logits": rows[:, f:].to(message.tensors[KNOWLEDGE + "logits"].dtype)}
         elif message.kind == "head":
             base = self._head or {k: torch.zeros_like(v, dtype=torch.float64) for k, v in message.tensors.items()}
             # sorted: the noise is drawn in one stream, so its assignment must not depend on dict order
@@ -102,7 +119,7 @@ class LocalDP(Filter):
 
     # --- the server side ------------------------------------------------------------------------------
     def upload_in(self, message: Message) -> Message:
-        if message.kind not in ("class_logits", "head"):
+        if message.kind not in ("class_logits", "head", "class_features"):
             return message
         info = message.meta.get(META)
         if info != {"noised": True} and ".secagg/masked" not in message.tensors:
