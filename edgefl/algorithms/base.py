@@ -16,12 +16,17 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from edgefl.algorithms.batched import BatchPlan
-from edgefl.algorithms.training import TrainStats, evaluate_accuracy, train_local
+from edgefl.algorithms.training import DPNoise, TrainStats, evaluate_accuracy, train_local
 from edgefl.config import TrainSettings
 from edgefl.data.views import View
+from edgefl.errors import ConfigError
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed, generator
 from edgefl.tensorchecks import layout_problem, state_layout
+
+
+#: the carried-state entry holding a device's DP-SGD steps so far (:meth:`ClientHalf.carry_state`)
+DP_SGD_STEPS = "dp_sgd.steps"
 
 
 class MethodOptions(BaseModel):
@@ -66,12 +71,44 @@ class ClientHalf(ABC):
     #: next besides the model: what a device saves to resume after a crash (:meth:`carry_state`)
     carried: ClassVar[tuple[str, ...]] = ()
 
+    #: why this method's local training cannot run as DP-SGD (``train.dp_sgd``), or "" when it can:
+    #: its loss must be the mean of per-sample terms of the model's own forward passes, and nothing
+    #: may rewrite the gradients between backward and the optimizer step (docs/privacy.md)
+    dp_sgd_refusal: ClassVar[str] = ""
+
     def __init__(self, setup: ClientSetup, options: MethodOptions) -> None:
         self.setup = setup
         self.options = options
         self.model = setup.model
         self.last_train_loss: float | None = None
         self.last_train_samples = 0  # samples processed in the last fit (the virtual clock's input)
+        self.dp_sgd_steps = 0  # DP-SGD steps taken over the run (what the device's epsilon counts)
+        self._dp_sgd = None
+        if setup.train.dp_sgd is not None:
+            self._refuse_dp_sgd_misfits()
+
+    def _refuse_dp_sgd_misfits(self) -> None:
+        if self.dp_sgd_refusal:
+            raise ConfigError(f"DP-SGD cannot train {type(self).__name__}: {self.dp_sgd_refusal}",
+                              hint="choose a method whose local loss is a mean of per-sample terms, or drop train.dp_sgd")
+        from edgefl.models import dp_sgd_ready
+        from edgefl.privacy.dp_sgd import model_hint
+
+        ready, why = dp_sgd_ready(self.model)
+        if not ready:
+            name = getattr(self.model, "edgefl_name", None)
+            raise ConfigError(f"DP-SGD cannot train {self.client_id}'s model {self.setup.arch}: {why}",
+                              hint=model_hint(name) if name else "choose a model edgefl models marks as DP-SGD ready")
+
+    @property
+    def dp_sgd(self):
+        """This device's DP-SGD (:class:`~edgefl.privacy.dp_sgd.DeviceDP`: its sample rate and noise
+        multiplier), or None when it trains plainly."""
+        if self._dp_sgd is None and self.setup.train.dp_sgd is not None:
+            from edgefl.privacy.dp_sgd import DeviceDP
+
+            self._dp_sgd = DeviceDP.for_device(self.setup.train, self.num_samples, self.setup.total_rounds)
+        return self._dp_sgd
 
     @property
     def judged(self) -> bool:
@@ -125,12 +162,24 @@ class ClientHalf(ABC):
         the metrics and the clock. ``hooks`` go to :func:`~edgefl.algorithms.training.train_local`
         (``extras``, ``after_backward``, ``after_step``)."""
         gen = self.round_generator(round_no) if generator is None else generator
+        dp = self.dp_sgd
+        if dp is not None:
+            from edgefl.privacy.dp_sgd import noise_generator
+
+            hooks["dp"] = DPNoise(dp.noise_multiplier, noise_generator(self.setup.seed, self.client_id, round_no, self.device))
         stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, loss_fn, **hooks)
+        if dp is not None:
+            self.dp_sgd_steps += stats.steps
         self.record(stats)
         return stats
 
     def base_meta(self, round_no: int) -> dict:
-        return {"num_samples": self.num_samples, "arch": self.setup.arch, "train_loss": self.last_train_loss}
+        meta = {"num_samples": self.num_samples, "arch": self.setup.arch, "train_loss": self.last_train_loss}
+        if self.dp_sgd is not None:  # the device's own (epsilon, delta = train.dp_sgd.delta) over every step so far
+            from edgefl.privacy.dp_sgd import META_EPSILON
+
+            meta[META_EPSILON] = self.dp_sgd.meta_epsilon(self.dp_sgd_steps)
+        return meta
 
     def reply(self, kind: str, round_no: int, tensors: dict[str, torch.Tensor], **meta: Any) -> Message:
         """The upload answering a round: detached copies of ``tensors`` (a state dict may be
@@ -144,6 +193,8 @@ class ClientHalf(ABC):
         """What this device must keep to continue after a crash: its model and :attr:`carried`,
         as flat named tensors (``model.*``, ``<attribute>`` or ``<attribute>.<key>``)."""
         out = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        if self.setup.train.dp_sgd is not None:  # the steps the device's epsilon counts survive a restart
+            out[DP_SGD_STEPS] = torch.tensor([self.dp_sgd_steps], dtype=torch.int64)
         for attr in self.carried:
             value = getattr(self, attr)
             if isinstance(value, torch.Tensor):
@@ -155,6 +206,8 @@ class ClientHalf(ABC):
     def load_carry_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`carry_state` returned (attributes it did not hold stay None)."""
         self.model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+        if DP_SGD_STEPS in tensors:
+            self.dp_sgd_steps = int(tensors[DP_SGD_STEPS].reshape(-1)[0])
         for attr in self.carried:
             if attr in tensors:
                 setattr(self, attr, self.on_device(tensors[attr]))

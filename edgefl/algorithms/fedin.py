@@ -126,6 +126,10 @@ def split_pairs(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 class FedINClient(ClientHalf):
     options: FedINOptions
+    dp_sgd_refusal = ("its local loss adds the proximal term (mu/2)||w - w_received||^2, which belongs to no sample, and its "
+                      "gradient alleviation rewrites the intermediate layers' gradient with the IN loss of the server's "
+                      "feature pairs between backward and step; per-sample clipping would drop the one and clip the other as "
+                      "if it were a sample's (FedAvg trains the same weights with DP-SGD)")
 
     def __init__(self, setup, options) -> None:
         super().__init__(setup, options)

@@ -9,6 +9,7 @@ from edgefl.models.registry import (
     ModelSpec,
     build_model,
     count_flops,
+    dp_sgd_ready,
     example_inputs,
     get_spec,
     model_info,
@@ -21,6 +22,6 @@ from edgefl.models.split import SplitClassifier
 from edgefl.models import cnn, cvae, mlp, resnet, vgg  # noqa: F401  isort: skip
 
 __all__ = [
-    "ModelInfo", "ModelSpec", "SplitClassifier", "build_model", "count_flops", "example_inputs",
+    "ModelInfo", "ModelSpec", "SplitClassifier", "build_model", "count_flops", "dp_sgd_ready", "example_inputs",
     "get_spec", "model_info", "model_names",
 ]

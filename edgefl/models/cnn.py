@@ -2,16 +2,18 @@
 
 FedHe's Table II (from FedMD): 2-layer nets ``(n1, n2, dropout)`` and 3-layer nets
 ``(n1, n2, n3, dropout)``; Conv-BN-ReLU-Dropout blocks with average pooling and a final dense
-layer without bias. Keras "same" padding on the 2x2 stride-1 pooling is reproduced by padding
+layer without bias (``norm = "group"``: GroupNorm instead of BatchNorm, for DP-SGD). Keras "same" padding on the 2x2 stride-1 pooling is reproduced by padding
 one row and column at the bottom-right. Model 9's third layer has 198 filters in the paper and
 192 in the authors' code; we follow the paper.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import nn
 
-from edgefl.models.registry import ModelSpec, register
+from edgefl.models.registry import ModelSpec, norm_layer, register
 from edgefl.models.split import SplitClassifier, with_feature_width
 
 FEDHE_CNNS: list[tuple[int, ...]] = [
@@ -32,8 +34,8 @@ def _scaled(n: int, width: float) -> int:
     return max(2, round(n * width))
 
 
-def _block(cin: int, cout: int, kernel: int, stride: int, padding: int, dropout: float) -> list[nn.Module]:
-    return [nn.Conv2d(cin, cout, kernel, stride, padding), nn.BatchNorm2d(cout), nn.ReLU(inplace=True), nn.Dropout(dropout)]
+def _block(cin: int, cout: int, kernel: int, stride: int, padding: int, dropout: float, norm: str = "batch") -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, kernel, stride, padding), norm_layer(norm, cout), nn.ReLU(inplace=True), nn.Dropout(dropout)]
 
 
 def _same_avgpool_2x2_stride1() -> nn.Module:
@@ -45,19 +47,20 @@ def _spatial(size: int, kernel: int, stride: int, padding: int = 0) -> int:
 
 
 def build_fedhe_cnn(
-    index: int, num_classes: int, input_shape: tuple[int, ...], width: float = 1.0, feature_dim: int | None = None
+    index: int, num_classes: int, input_shape: tuple[int, ...], width: float = 1.0, feature_dim: int | None = None,
+    norm: Literal["batch", "group"] = "batch",
 ) -> SplitClassifier:
     *filters, drop_pct = FEDHE_CNNS[index]
     dropout = drop_pct / 100
     chans = [_scaled(f, width) for f in filters]
     cin, h, w = input_shape
-    extractor = nn.Sequential(*_block(cin, chans[0], 3, 1, 1, dropout), _same_avgpool_2x2_stride1())
-    body: list[nn.Module] = _block(chans[0], chans[1], 2, 2, 0, dropout)
+    extractor = nn.Sequential(*_block(cin, chans[0], 3, 1, 1, dropout, norm), _same_avgpool_2x2_stride1())
+    body: list[nn.Module] = _block(chans[0], chans[1], 2, 2, 0, dropout, norm)
     h, w = _spatial(h, 2, 2), _spatial(w, 2, 2)
     if len(chans) == 3:
         body += [nn.AvgPool2d(2, stride=2)]
         h, w = _spatial(h, 2, 2), _spatial(w, 2, 2)
-        body += _block(chans[1], chans[2], 3, 2, 0, dropout)
+        body += _block(chans[1], chans[2], 3, 2, 0, dropout, norm)
         h, w = _spatial(h, 3, 2), _spatial(w, 3, 2)
     body.append(nn.Flatten(1))
     natural = chans[-1] * h * w
@@ -116,7 +119,8 @@ for _i, _arch in enumerate(FEDHE_CNNS):
             kind="classifier",
             builder=_fedhe_builder(_i),
             family="fedhe-cnn",
-            description=f"FedHe/FedMD CNN {_i}: filters {_arch[:-1]}, dropout {_arch[-1] / 100}",
+            description=f"FedHe/FedMD CNN {_i}: filters {_arch[:-1]}, dropout {_arch[-1] / 100}; options width, feature_dim, norm",
+            takes_norm=True,
         )
     )
 register(ModelSpec("cnn-small", "classifier", build_cnn_small, "cnn", "FedMHO's small CNN (10/20 channels)"))

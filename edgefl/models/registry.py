@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,8 @@ class ModelSpec:
     description: str
     default_input_shape: tuple[int, ...] = (1, 28, 28)
     defaults: dict[str, Any] = field(default_factory=dict)
+    #: the builder takes ``norm = "batch" | "group"`` (:func:`norm_layer`): GroupNorm makes it DP-SGD ready
+    takes_norm: bool = False
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -72,6 +75,76 @@ def build_model(
         raise ConfigError(f"model {name!r}: bad option ({exc})") from None
     model.edgefl_name = name  # type: ignore[attr-defined]
     return model
+
+
+def norm_layer(norm: str, channels: int) -> nn.Module:
+    """The normalisation layer of a conv block: ``"batch"`` (BatchNorm2d) or ``"group"``, GroupNorm
+    with gcd(32, channels) groups, exactly what Opacus' ``ModuleValidator.fix`` puts in place of a
+    BatchNorm2d. A builder option (``options.norm``), so every device of a group and the server
+    build the same architecture (DP-SGD needs ``"group"``: docs/privacy.md)."""
+    if norm == "batch":
+        return nn.BatchNorm2d(channels)
+    if norm == "group":
+        return nn.GroupNorm(math.gcd(32, channels), channels)
+    raise ValueError(f"norm must be 'batch' or 'group', not {norm!r}")
+
+
+def dp_sgd_ready(model: nn.Module) -> tuple[bool, str]:
+    """Whether DP-SGD (Opacus' per-sample gradients) can train ``model`` as it is, and if not why.
+
+    Opacus' ``ModuleValidator.validate`` decides (BatchNorm mixes the samples of a batch, so no
+    per-sample gradient exists; modules Opacus cannot handle); without Opacus installed the
+    zoo's only such layer, BatchNorm, is looked for directly."""
+    try:
+        from opacus.validators import ModuleValidator
+    except ImportError:
+        found = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+        if found:
+            return False, _batchnorm_reason(model, found)
+        return True, "no BatchNorm (Opacus is not installed: its validator did not check the other layers)"
+    errors = ModuleValidator.validate(model, strict=False)
+    if not errors:
+        return True, "every layer has per-sample gradients"
+    norms = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+    if norms:
+        return False, _batchnorm_reason(model, norms)
+    first = str(errors[0]).split(". ")[0]
+    return False, f"Opacus cannot compute its per-sample gradients ({len(errors)} problem(s); first: {first[:200]})"
+
+
+def dp_sgd_status(name: str) -> str:
+    """The zoo table's DP-SGD column for ``name`` at its defaults: ``yes`` (trains with DP-SGD as
+    it is), ``norm=group`` (with that builder option) or ``no`` (kept in the cache file)."""
+    try:
+        import opacus
+    except ImportError:
+        opacus = None
+    key = f"dp-sgd:{name}"
+    cache = _DISK.load()
+    if opacus is not None and isinstance(cache.get(key), str):
+        return cache[key]
+    spec = get_spec(name)
+    with torch.random.fork_rng(devices=[]):
+        ready, _ = dp_sgd_ready(build_model(name))
+        if not ready and spec.takes_norm:
+            ready_grouped, _ = dp_sgd_ready(build_model(name, norm="group"))
+    status = "yes" if ready else "norm=group" if spec.takes_norm and ready_grouped else "no"
+    if opacus is not None:  # without Opacus only BatchNorm was looked for: not the validator's verdict
+        cache[key] = status
+        _DISK.save()
+    return status
+
+
+def _batchnorm_reason(model: nn.Module, names: list[str]) -> str:
+    count = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    fix = (' build it with options.norm = "group" (GroupNorm, as Opacus\' ModuleValidator.fix) in its fleet group'
+           if _takes_norm(getattr(model, "edgefl_name", None)) else " choose a model without BatchNorm")
+    return (f"{count} {'/'.join(names)} layer(s): batch normalisation mixes the samples of a batch, so a sample has no "
+            f"gradient of its own to clip;{fix}")
+
+
+def _takes_norm(name: str | None) -> bool:
+    return name in _REGISTRY and _REGISTRY[name].takes_norm
 
 
 def example_inputs(model: nn.Module, batch: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,9 @@ which is what keeps these nets trainable on a 2-core CPU. Two stems:
 * ``"small"`` (default): 3x3 conv, stride 1, no max-pool, for 28x28 / 32x32 inputs;
 * ``"imagenet"``: torchvision's 7x7 stride-2 conv + max-pool, as the authors' code used on
   Fashion-MNIST resized to 32x32 (16x fewer stem-resolution FLOPs, lower accuracy).
+
+``norm = "group"`` builds every normalisation layer as GroupNorm (Opacus' BatchNorm fix) instead of
+BatchNorm: what DP-SGD needs (docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Literal
 
 from torch import nn
 
-from edgefl.models.registry import ModelSpec, register
+from edgefl.models.registry import ModelSpec, norm_layer, register
 from edgefl.models.split import SplitClassifier, with_feature_width
 
 # torchvision is imported when a ResNet is built, not when the zoo is: importing it costs a device
@@ -41,10 +44,10 @@ def _scaled_resnet_class() -> type[nn.Module]:
     class _ScaledResNet(ResNet):
         """torchvision's ResNet with every stage's channel count multiplied by ``width``."""
 
-        def __init__(self, block: type[nn.Module], layers: list[int], num_classes: int, width: float) -> None:
+        def __init__(self, block: type[nn.Module], layers: list[int], num_classes: int, width: float, norm: str = "batch") -> None:
             self._width = width
             self._base = max(4, round(64 * width))
-            super().__init__(block, layers, num_classes=num_classes)  # type: ignore[arg-type]
+            super().__init__(block, layers, num_classes=num_classes, norm_layer=functools.partial(norm_layer, norm))  # type: ignore[arg-type]
 
         def _make_layer(self, block, planes, blocks, stride=1, dilate=False):  # type: ignore[override]
             if planes == 64:  # first stage: the stem's output width, scaled
@@ -54,6 +57,23 @@ def _scaled_resnet_class() -> type[nn.Module]:
     return _ScaledResNet
 
 
+def _forward_out_of_place(self, x):
+    """torchvision's BasicBlock / Bottleneck forward, the residual added out of place (``out +
+    identity``, not ``out += identity``): the same values, and what Opacus' per-sample gradient
+    hooks need, since they forbid modifying a hooked layer's output in place."""
+    out = self.relu(self.bn1(self.conv1(x)))
+    out = self.bn2(self.conv2(out))
+    if hasattr(self, "conv3"):  # Bottleneck
+        out = self.bn3(self.conv3(self.relu(out)))
+    identity = x if self.downsample is None else self.downsample(x)
+    return self.relu(out + identity)
+
+
+@functools.cache
+def _group_norm_block(block: type[nn.Module]) -> type[nn.Module]:
+    return type(f"GroupNorm{block.__name__}", (block,), {"forward": _forward_out_of_place, "__module__": __name__})
+
+
 def build_resnet(
     depth_name: str,
     num_classes: int,
@@ -61,6 +81,7 @@ def build_resnet(
     width: float = 1.0,
     stem: Literal["small", "imagenet"] = "small",
     feature_dim: int | None = None,
+    norm: Literal["batch", "group"] = "batch",
     return_reference: bool = False,
 ) -> SplitClassifier | tuple[SplitClassifier, nn.Module]:
     """Build a split ResNet; ``return_reference`` also returns the torchvision module sharing
@@ -69,7 +90,9 @@ def build_resnet(
 
     block_name, layers = BLOCKS[depth_name]
     block = getattr(tv_resnet, block_name)
-    net = _scaled_resnet_class()(block, layers, num_classes, width)
+    if norm == "group":
+        block = _group_norm_block(block)
+    net = _scaled_resnet_class()(block, layers, num_classes, width, norm)
     in_channels = input_shape[0]
     base = net._base
     if stem == "small":
@@ -80,7 +103,7 @@ def build_resnet(
     else:
         raise ValueError(f"stem must be 'small' or 'imagenet', not {stem!r}")
     nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
-    net.bn1 = nn.BatchNorm2d(base)
+    net.bn1 = norm_layer(norm, base)
     # torchvision sizes fc for 512 channels whatever the width: take the real last-stage width
     natural = max(4, round(512 * width)) * block.expansion  # type: ignore[attr-defined]
     net.fc = nn.Linear(natural, num_classes)
@@ -111,6 +134,7 @@ for _name, (_block, _layers) in BLOCKS.items():
             kind="classifier",
             builder=_make_builder(_name),
             family="resnet",
-            description=f"torchvision ResNet, {_block} {_layers}; options width, stem, feature_dim",
+            description=f"torchvision ResNet, {_block} {_layers}; options width, stem, feature_dim, norm",
+            takes_norm=True,
         )
     )

@@ -49,6 +49,9 @@ class FitBatcher:
         groups: dict[tuple, list[tuple[int, object]]] = {}
         for k, (loop, env) in enumerate(pending):
             client = loop.client
+            if client.setup.train.dp_sgd is not None:
+                self._once("DP-SGD (train.dp_sgd) computes per-sample gradients one client at a time")
+                continue
             plan = client.batch_plan(loop.downlink(env), env.round)
             if plan is None:
                 self._once(f"{type(client).__name__} with these options has no batched form")
