@@ -764,6 +764,8 @@ def _add_rows(table, files) -> None:
 def models(
     num_classes: Annotated[int, typer.Option(help="classes of the head")] = 10,
     input_shape: Annotated[str, typer.Option(help="input shape without batch, e.g. 1,28,28")] = "",
+    phones: Annotated[bool, typer.Option("--phones", help="also say which models export as ExecuTorch training programs "
+                                         "(edgefl export --format executorch-train), and why not (needs the phones extra; slow)")] = False,
 ) -> None:
     """List the model zoo: parameters and FLOPs per sample are measured on the default input."""
     from edgefl.models import get_spec, model_info, model_names
@@ -784,9 +786,17 @@ def models(
             if shape is not None and get_spec(name).family == "mlp":
                 shape = (int(sum(shape)),) if len(shape) == 1 else None
             infos[name] = model_info(name, num_classes=num_classes, input_shape=shape)
+    trains: dict[str, str] = {}
+    if phones:  # issue 37: whether ExecuTorch's training path takes each model at its defaults
+        from edgefl.exporters.executorch_train import trainability
+
+        table.add_column("phone training (ExecuTorch)", justify="left")
+        for name, info in infos.items():
+            ok, reason = trainability(name, num_classes, tuple(info.input_shape))
+            trains[name] = "yes" if ok else f"no: {reason}"
     for name, info in infos.items():
         table.add_row(name, info.kind, f"{info.params:,}", _si(info.flops_per_sample), "x".join(map(str, info.input_shape)),
-                      str(info.feature_dim or "-"), info.description)
+                      str(info.feature_dim or "-"), info.description, *([trains[name]] if phones else []))
     out.print(table)
 
 

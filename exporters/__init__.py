@@ -20,7 +20,7 @@ from typing import Any
 
 # The built-in formats register on import, in this order (the order `edgefl export --help` lists
 # them); their modules are light: each imports its converter only when a model is exported.
-from edgefl.exporters import onnx_format, tflite_format, micro_format  # noqa: F401
+from edgefl.exporters import onnx_format, tflite_format, micro_format, executorch_format  # noqa: F401
 from edgefl.exporters.registry import (
     ExportedFile,
     ExportError,

@@ -1,0 +1,104 @@
+"""The ``executorch-train`` export format (issue 37): NAME.train.pte (a training program: one
+forward-backward pass, cross-entropy inside, fixed input and label shapes), NAME.pte (the inference
+program), each with the job's JSON sidecar. The training file's sidecar also names every parameter
+in the order the program holds them (program name -> PyTorch state dict name, shape), the frozen
+state dict entries, the optimiser and its settings, and the step parity measured here. Nothing heavy
+is imported until a model is exported; the work is in :mod:`edgefl.exporters.executorch_train`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from edgefl.exporters.registry import ExportContext, ExportedFile, ExportError, ExportFormat, Requirement, register_format
+
+PHONES_EXTRA = "pip install -e '.[phones]' in the edgefl checkout"
+
+
+@register_format
+class ExecutorchTrainFormat(ExportFormat):
+    name = "executorch-train"
+    summary = ("NAME.train.pte (ExecuTorch training program: loss inside, fixed batch) and NAME.pte (inference); "
+               "the sidecar names the parameters in program order and the optimiser")
+    suffixes = (".train.pte", ".pte")
+    requires = (Requirement(("executorch",), "executorch (ExecuTorch's exporter and runtime)", hint=PHONES_EXTRA),)
+
+    #: the training program's fixed batch and the optimiser it is meant for (the runtime's SGD);
+    #: a device may pass another lr to the runtime's SGD: the program does not hold it
+    train_batch: ClassVar[int] = 32
+    lr: ClassVar[float] = 0.01
+    momentum: ClassVar[float] = 0.0
+
+    def export(self, job: ExportContext, folder: Path) -> list[ExportedFile]:
+        import torch
+
+        from edgefl.exporters.export import layout_of
+        from edgefl.exporters.executorch_train import (
+            METHOD,
+            export_inference_program,
+            export_training_program,
+            step_parity,
+        )
+
+        src = job.src
+        if not job.classifier:
+            raise ExportError(f"{src.name}: the {self.name} format trains classifiers only (cross-entropy over labels)")
+        # real inputs at the training batch; labels from the model's own answers when none are given
+        x = torch.cat([job.sample[0]] * (self.train_batch // job.sample[0].shape[0] + 1))[: self.train_batch]
+        pool = job.parity_inputs[0]
+        if pool.shape[0] >= self.train_batch:
+            x = pool[: self.train_batch]
+        with torch.no_grad():
+            y = job.module(x).argmax(1)
+        job.log(f"{self.name}: {src.name}.train.pte (batch {self.train_batch})")
+        prog = export_training_program(job.module, x, y)
+        train_path = folder / f"{src.name}.train.pte"
+        train_path.write_bytes(prog.buffer)
+        parity = step_parity(job.module, prog.buffer, x, y, self.lr, max(self.momentum, 0.9))
+        if not parity["ok"]:
+            raise ExportError(f"{train_path.name}: one SGD step in ExecuTorch's runtime differs from PyTorch's "
+                              f"(loss {parity['loss_max_abs_diff']:.2e}, weights {parity['weights_max_abs_diff']:.2e})")
+        train = ExportedFile(train_path, self.name, "float32", self.train_batch, extra={
+            "program": "training", "method": METHOD,
+            "inputs_spec": [{"name": "input", "shape": list(x.shape), "dtype": "float32", "layout": layout_of((x,), False)},
+                            {"name": "labels", "shape": [self.train_batch], "dtype": "int64"}],
+            "outputs_spec": ["loss (mean cross-entropy, scalar)", f"logits [{self.train_batch}, {src.num_classes}] (detached)",
+                             "then the gradients and the parameters, in the order of 'parameters' (TrainingModule slices them)"],
+            "parameters_order": prog.parameters, "frozen_state": prog.frozen,
+            "rewritten_for_training": {name: "max pool as reshape + amax (ExecuTorch 1.5.1's max-pool backward kernel is wrong)"
+                                       for name in prog.rewritten},
+            "optimizer": {"name": "sgd", "lr": self.lr, "momentum": self.momentum, "dampening": 0.0, "weight_decay": 0.0,
+                          "nesterov": False, "in_program": False,
+                          "note": "the runtime's SGD (get_sgd_optimizer / Kotlin SGD / Swift SGD) steps the program's parameters"},
+            "loss": "cross_entropy (mean over the batch)", "step_parity": parity,
+            "export_seconds": round(prog.export_seconds, 2), "executorch_version": _version()})
+        files = [train]
+        inf_path = folder / f"{src.name}.pte"
+        job.log(f"{self.name}: {inf_path.name} (batch {job.options.batch})")
+        inf_path.write_bytes(export_inference_program(job.module, job.sample[0]))
+        inf = ExportedFile(inf_path, self.name, "float32", job.options.batch, extra={
+            "program": "inference", "method": METHOD, "layout": layout_of(job.sample, False),
+            "executorch_version": _version()})
+        job.judge(inf, _runner(inf_path))
+        files.append(inf)
+        return files
+
+
+def _runner(path: Path):
+    import numpy as np
+    import torch
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    module = _load_for_executorch_from_buffer(path.read_bytes())
+
+    def run(x: np.ndarray) -> np.ndarray:
+        return module.run_method("forward", (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),))[0].numpy()
+
+    return run
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("executorch")

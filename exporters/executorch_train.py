@@ -1,0 +1,237 @@
+"""ExecuTorch training programs (issue 37): a zoo classifier as a ``.pte`` program that runs one
+forward and backward pass (cross-entropy inside) in ExecuTorch's runtime, the same C++ runtime a
+phone app links, plus its inference program and what a device needs to use both.
+
+The training path is ExecuTorch's (experimental in 1.5): ``torch.export`` of a module returning
+``(loss, logits)``, ``torch.export.experimental._export_forward_backward`` (the joint graph: the
+program returns the user outputs, then the gradients, then the parameters), ``to_edge`` and
+``to_executorch``. The optimiser is not in the program: the runtime's SGD
+(``executorch.extension.training.get_sgd_optimizer``; Kotlin ``SGD``, Swift ``SGD``) steps the
+program's own parameter tensors with the gradients it returned.
+
+Imported only when a model is exported (torch, executorch); :func:`trainability` answers
+``edgefl models``' question without writing anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from edgefl.exporters.registry import ExportError
+
+#: the program's method the training step runs (and its metadata methods' suffix)
+METHOD = "forward"
+#: step parity with PyTorch (float32; the runtime's portable kernels sum in another order)
+STEP_RTOL, STEP_ATOL = 1e-4, 1e-5
+
+
+class TrainStep(nn.Module):
+    """What the training program computes: (mean cross-entropy, logits) for a batch and its labels.
+    The logits are returned detached: the device reads them (FedHe's per-class logits, accuracy)
+    without gradients flowing through a second path."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.net(x)
+        return nn.functional.cross_entropy(logits, y), logits.detach()
+
+
+@dataclass
+class TrainingProgram:
+    buffer: bytes
+    parameters: list[dict[str, Any]]  # in the program's order: program_name, state_dict_name, shape
+    frozen: list[str]  # state dict entries baked into the program as constants (buffers)
+    export_seconds: float
+    rewritten: list[str]  # max pools exported as reshape + amax (see MaxPoolByAmax)
+
+
+def _why(exc: BaseException) -> str:
+    """One line saying what ExecuTorch's training path lacked."""
+    text = str(exc)
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Operator ") or "not in Core ATen" in line or "missing" in line.lower():
+            return line.rstrip('."') + f" ({type(exc).__name__})"
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+def _reason_hint(reason: str) -> str:
+    if "batch_norm" in reason:
+        return ("batch norm in training mode (aten._native_batch_norm_legit_functional) is not an op ExecuTorch's training "
+                "path can lower; a variant with norm='group' or without batch norm may export")
+    return "an op ExecuTorch's training path lacks"
+
+
+def export_training_program(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> TrainingProgram:
+    """The joint forward-backward program of ``TrainStep(net)`` at the fixed shapes of ``x`` and ``y``;
+    an :class:`ExportError` naming the reason when ExecuTorch's training path cannot take the model."""
+    from executorch.exir import to_edge
+    from torch.export.experimental import _export_forward_backward
+
+    copy_ = _copy(net)
+    rewritten = _rewrite_pools(copy_)
+    step = TrainStep(copy_).train()
+    t0 = time.perf_counter()
+    try:
+        ep = torch.export.export(step, (x, y), strict=False)
+        ep = _export_forward_backward(ep)
+        prog = to_edge(ep).to_executorch()
+        buffer = prog.buffer
+    except Exception as exc:
+        reason = _why(exc)
+        raise ExportError(f"cannot export a training program: {reason}", hint=_reason_hint(reason)) from None
+    names = program_parameter_names(buffer)
+    shapes = dict(net.named_parameters())
+    params = []
+    for pname in names:
+        sd = pname.removeprefix("net.")
+        if sd not in shapes:
+            raise ExportError(f"the training program holds a parameter {pname!r} the model does not have")
+        params.append({"program_name": pname, "state_dict_name": sd, "shape": list(shapes[sd].shape)})
+    if len(params) != len(shapes):
+        missing = sorted(set(shapes) - {p["state_dict_name"] for p in params})
+        raise ExportError(f"the training program does not train {', '.join(missing)}")
+    frozen = [k for k in net.state_dict() if k not in shapes]
+    return TrainingProgram(buffer, params, frozen, time.perf_counter() - t0, rewritten)
+
+
+def export_inference_program(net: nn.Module, x: torch.Tensor) -> bytes:
+    from executorch.exir import to_edge
+
+    try:
+        ep = torch.export.export(_copy(net).eval(), (x,), strict=False)
+        return to_edge(ep).to_executorch().buffer
+    except Exception as exc:
+        raise ExportError(f"cannot export an inference program: {_why(exc)}") from None
+
+
+def program_parameter_names(buffer: bytes) -> list[str]:
+    """The parameters' names in the order the training program returns them (its own metadata method)."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    module = _load_for_executorch_from_buffer(buffer)
+    return [str(n) for n in module.run_method(f"__et_training_fqn_{METHOD}", ())]
+
+
+def _copy(net: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(net)
+
+
+class MaxPoolByAmax(nn.Module):
+    """A non-overlapping max pool (kernel = stride, no padding) as a reshape and ``amax``.
+
+    ExecuTorch 1.5.1's portable ``max_pool2d_with_indices_backward`` gave gradients of the order of
+    1e2-1e3 where PyTorch's are 1e-2 (the conv layers before a pool got garbage; measured on lenet5):
+    its output buffer looks unzeroed. ``amax``'s backward (a mask and a division) is lowered to
+    other kernels and matches PyTorch; the forward is the same max. Ties share the gradient where
+    max_pool2d gives it to the first: after a ReLU, tied maxima are zeros whose gradient the ReLU
+    drops anyway."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        k = self.k
+        x = x[:, :, : h // k * k, : w // k * k]
+        return x.reshape(n, c, h // k, k, w // k, k).amax(dim=(3, 5))
+
+
+def _rewrite_pools(net: nn.Module) -> list[str]:
+    """Swap the max pools :class:`MaxPoolByAmax` can stand for; returns their names."""
+    done = []
+    for name, mod in list(net.named_modules()):
+        if isinstance(mod, nn.MaxPool2d):
+            k, s = mod.kernel_size, mod.stride
+            k = k if isinstance(k, int) else (k[0] if k[0] == k[1] else None)
+            s = s if isinstance(s, int) else (s[0] if s[0] == s[1] else None)
+            if k and k == s and mod.padding in (0, (0, 0)) and mod.dilation in (1, (1, 1)) and not mod.ceil_mode:
+                parent = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
+                setattr(parent, name.rpartition(".")[2], MaxPoolByAmax(k))
+                done.append(name)
+    return done
+
+
+# --- the runtime side (what a device does; the phone device has its own copy without edgefl) ----------
+
+
+class RuntimeTrainer:
+    """One training program loaded in ExecuTorch's runtime, with the runtime's SGD."""
+
+    def __init__(self, buffer: bytes, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+        self.module = _load_for_executorch_for_training_from_buffer(buffer)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.optimizer = None
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+        from executorch.extension.training import get_sgd_optimizer
+
+        loss, logits = self.module.forward_backward(METHOD, (torch.from_numpy(x), torch.from_numpy(y)))
+        if self.optimizer is None:  # the parameters are known after the first pass (the bindings' rule)
+            self.optimizer = get_sgd_optimizer(self.module.named_parameters(), self.lr, self.momentum, 0.0, self.weight_decay, False)
+        self.optimizer.step(self.module.named_gradients())
+        return float(loss), logits.numpy()
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().clone().numpy() for k, v in self.module.named_parameters().items()}
+
+
+def step_parity(net: nn.Module, buffer: bytes, x: torch.Tensor, y: torch.Tensor, lr: float, momentum: float,
+                steps: int = 2) -> dict[str, Any]:
+    """``steps`` SGD steps on one batch in the runtime and in PyTorch from the same weights: the
+    losses and the updated weights compared (max absolute and relative differences)."""
+    ref = TrainStep(_copy(net)).train()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+    rt = RuntimeTrainer(buffer, lr, momentum)
+    losses_pt, losses_rt = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss, _ = ref(x, y)
+        loss.backward()
+        opt.step()
+        losses_pt.append(float(loss))
+        losses_rt.append(rt.step(x.numpy(), y.numpy())[0])
+    got = rt.parameters()
+    ref_sd = dict(ref.named_parameters())
+    w_abs = max(float(np.abs(got[k] - ref_sd[k].detach().numpy()).max()) for k in got)
+    w_scale = max(float(np.abs(ref_sd[k].detach().numpy()).max()) for k in got)
+    l_abs = max(abs(a - b) for a, b in zip(losses_pt, losses_rt))
+    ok = l_abs <= STEP_ATOL + STEP_RTOL * max(abs(v) for v in losses_pt) and w_abs <= STEP_ATOL + STEP_RTOL * w_scale
+    return {"steps": steps, "lr": lr, "momentum": momentum, "batch": int(x.shape[0]),
+            "losses_pytorch": losses_pt, "losses_runtime": losses_rt, "loss_max_abs_diff": l_abs,
+            "weights_max_abs_diff": w_abs, "rtol": STEP_RTOL, "atol": STEP_ATOL, "ok": bool(ok)}
+
+
+@functools.lru_cache(maxsize=64)
+def trainability(name: str, num_classes: int = 10, input_shape: tuple[int, ...] | None = None) -> tuple[bool, str]:
+    """Whether zoo model ``name`` exports as an ExecuTorch training program at its defaults, and if
+    not why (``edgefl models``' column)."""
+    from edgefl.models import build_model, get_spec
+
+    spec = get_spec(name)
+    if spec.kind != "classifier":
+        return False, "not a classifier (the training program's loss is cross-entropy over labels)"
+    torch.manual_seed(0)
+    net = build_model(name, num_classes=num_classes, input_shape=input_shape)
+    shape = input_shape or tuple(spec.default_input_shape)
+    try:
+        export_training_program(net, torch.randn(2, *shape), torch.zeros(2, dtype=torch.long))
+    except ExportError as exc:
+        return False, str(exc).removeprefix("cannot export a training program: ")
+    return True, "yes"
