@@ -769,23 +769,26 @@ def models(
 ) -> None:
     """List the model zoo: parameters and FLOPs per sample are measured on the default input."""
     from edgefl.models import get_spec, model_info, model_names
+    from edgefl.models.registry import dp_sgd_status
 
-    table = Table(title="edgefl model zoo (FLOPs = 2 x multiply-adds, forward, batch 1)")
+    table = Table(title="edgefl model zoo (FLOPs = 2 x multiply-adds, forward, batch 1; DP-SGD: trains with train.dp_sgd as it "
+                        "is, or with options.norm = \"group\")")
     for col, justify in (("name", "left"), ("kind", "left"), ("params", "right"), ("FLOPs/sample", "right"),
-                         ("input", "left"), ("feature width", "right"), ("description", "left")):
+                         ("input", "left"), ("feature width", "right"), ("DP-SGD", "left"), ("description", "left")):
         table.add_column(col, justify=justify, no_wrap=col != "description")  # type: ignore[arg-type]
     from rich.progress import track
 
     from edgefl.heartbeat import Heartbeat
 
     with Heartbeat(err) as beat:
-        infos = {}
+        infos, dp_sgd = {}, {}
         for name in track(model_names(), description="measuring the zoo (cached after the first run)", console=err, transient=True):
             beat.status(f"measuring {name}")
             shape = tuple(int(s) for s in input_shape.split(",")) if input_shape else None
             if shape is not None and get_spec(name).family == "mlp":
                 shape = (int(sum(shape)),) if len(shape) == 1 else None
             infos[name] = model_info(name, num_classes=num_classes, input_shape=shape)
+            dp_sgd[name] = dp_sgd_status(name)  # issue 36: whether Opacus' per-sample gradients take it at its defaults
     trains: dict[str, str] = {}
     if phones:  # issue 37: whether ExecuTorch's training path takes each model at its defaults
         from edgefl.exporters.executorch_train import trainability
@@ -796,7 +799,7 @@ def models(
             trains[name] = "yes" if ok else f"no: {reason}"
     for name, info in infos.items():
         table.add_row(name, info.kind, f"{info.params:,}", _si(info.flops_per_sample), "x".join(map(str, info.input_shape)),
-                      str(info.feature_dim or "-"), info.description, *([trains[name]] if phones else []))
+                      str(info.feature_dim or "-"), dp_sgd[name], info.description, *([trains[name]] if phones else []))
     out.print(table)
 
 

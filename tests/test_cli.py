@@ -26,6 +26,9 @@ def test_models_table_lists_the_zoo():
     for name in ("resnet18", "resnet50", "fedhe-cnn-9", "vgg9", "cvae-small", "cvae-large", "mlp", "lenet5", "cnn-small"):
         assert name in res.stdout
     assert "252.9M" in res.stdout  # VGG-9 FLOPs per sample, measured
+    # the DP-SGD column (issue 36): ready as it is, or with the GroupNorm builder option
+    rows = {line.split("│")[1].strip(): line for line in res.stdout.splitlines() if line.count("│") > 3}
+    assert "DP-SGD" in res.stdout and "│ yes " in rows["lenet5"] and "│ norm=group " in rows["resnet18"]
 
 
 def test_simulate_example_then_report(tmp_path):
