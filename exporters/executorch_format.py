@@ -90,9 +90,11 @@ def _runner(path: Path):
     import torch
     from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
-    module = _load_for_executorch_from_buffer(path.read_bytes())
+    buffer = path.read_bytes()  # the runtime reads the program from this buffer: it must outlive the module
+    module = _load_for_executorch_from_buffer(buffer)
 
     def run(x: np.ndarray) -> np.ndarray:
+        assert buffer
         return module.run_method("forward", (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),))[0].numpy()
 
     return run

@@ -175,6 +175,7 @@ class RuntimeTrainer:
     def __init__(self, buffer: bytes, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
         from executorch.extension.training import _load_for_executorch_for_training_from_buffer
 
+        self.buffer = buffer  # the runtime reads the program from this buffer: it must outlive the module
         self.module = _load_for_executorch_for_training_from_buffer(buffer)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.optimizer = None
