@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -396,7 +398,10 @@ def secagg_download() -> bytes:
 
 def secagg_masked_upload() -> bytes:
     layout = {"kind": "class_logits", "entries": [["logits", [2, 2], "F32"], ["__present", [2], "F64"]]}
-    masked = torch.tensor([9_127_312_845, 3_518_004_112, 17_003_223_951, 611_839_204, 12_446_980_013, 5_099_871_326])
+    from edgefl.filters.secagg import pack_values
+
+    values = np.array([9_127_312_845, 3_518_004_112, 17_003_223_951, 611_839_204, 12_446_980_013, 5_099_871_326], dtype=np.uint64)
+    masked = torch.from_numpy(pack_values(values, 34))  # 34-bit values: 5 little-endian bytes each
     meta = {"num_samples": 1, "train_loss": 0.5, "filter.secagg": {"layout": layout, "modulus_bits": 34}}
     return _upload(Message("class_logits", 2, DEVICE, {".secagg/masked": masked}, meta, message_id=ident(0x506)), 2)
 

@@ -199,7 +199,7 @@ def test_a_masked_upload_is_all_the_server_and_the_broker_see(monkeypatch):
     uploads = [m for m in seen if m.kind == "class_logits"]
     assert len(uploads) == 4
     for message in uploads:
-        assert set(message.tensors) == {MASKED}
+        assert set(message.tensors) == {MASKED} and message.tensors[MASKED].dtype == torch.uint8
         assert "class_counts" not in message.meta and message.meta["num_samples"] == 1
 
 
@@ -291,3 +291,13 @@ def test_fedin_without_in_training_is_secured_layer_wise_and_with_it_refused(tmp
     assert np.allclose(_overall(a), _overall(b), atol=0.02), (_overall(a), _overall(b))
     with pytest.raises(ConfigError, match="in_training = false"):
         _config("fedin", {})
+
+
+def test_masked_values_travel_in_as_few_bytes_as_the_modulus_needs():
+    from edgefl.filters.secagg import pack_values, unpack_values, value_bytes
+
+    values = np.array([0, 1, (1 << 36) - 1, 123456789012], dtype=np.uint64)
+    packed = pack_values(values, 36)
+    assert value_bytes(36) == 5 and packed.dtype == np.uint8 and packed.size == 20
+    assert packed[:5].tolist() == [0, 0, 0, 0, 0] and packed[5:10].tolist() == [1, 0, 0, 0, 0]
+    assert np.array_equal(unpack_values(packed, 5), values)

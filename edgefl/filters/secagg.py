@@ -41,7 +41,7 @@ from edgefl.seeding import derive_seed
 from edgefl.stages import Stage, StageFailed
 
 log = logging.getLogger("edgefl.secagg")
-MASKED = ".secagg/masked"  # the upload's one tensor: the masked sum form (I64, values < 2^m)
+MASKED = ".secagg/masked"  # the upload's one tensor: the masked sum form, ceil(m / 8) little-endian bytes a value (U8)
 INBOX = ".secagg/shares"  # a download's encrypted shares addressed to its device (U8 [k, L])
 META = "filter.secagg"
 KEY_BYTES = 32
@@ -239,7 +239,7 @@ class SecAgg(Filter):
             masked = _add(masked, pair, m) if (self.device or "") < v else _sub(masked, pair, m)
         meta = {k: message.meta[k] for k in KEEP_META if k in message.meta}
         meta.update({"num_samples": 1, META: {"layout": layout.to_meta(), "modulus_bits": m}})
-        return Message(message.kind, message.round, message.sender, {MASKED: torch.from_numpy(masked.astype(np.int64))}, meta,
+        return Message(message.kind, message.round, message.sender, {MASKED: torch.from_numpy(pack_values(masked, m))}, meta,
                        message.message_id)
 
     # server side ----------------------------------------------------------------------------------
@@ -265,6 +265,25 @@ class SecAgg(Filter):
 
     def round_facts(self, round_no: int) -> dict[str, Any]:
         return self._server.facts(round_no) if self._server is not None else {}
+
+
+def value_bytes(modulus_bits: int) -> int:
+    """Bytes a masked value takes on the wire: ceil(m / 8)."""
+    return (modulus_bits + 7) // 8
+
+
+def pack_values(values: np.ndarray, modulus_bits: int) -> np.ndarray:
+    """Values below 2^m as ceil(m / 8) little-endian bytes each (U8, flat): a 40-bit modulus sends
+    5 bytes a value, not 8."""
+    width = value_bytes(modulus_bits)
+    return np.ascontiguousarray(values.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :width]).reshape(-1)
+
+
+def unpack_values(data: np.ndarray, width: int) -> np.ndarray:
+    """The inverse of :func:`pack_values` (uint64)."""
+    padded = np.zeros((data.size // width, 8), dtype=np.uint8)
+    padded[:, :width] = data.reshape(-1, width)
+    return padded.view("<u8").reshape(-1).astype(np.uint64)
 
 
 def _u8(data: bytes) -> torch.Tensor:
@@ -379,13 +398,18 @@ class _ServerSide:
             layout = Layout.from_meta(info.get("layout"), MAX_VECTOR)
         except ValueError as exc:
             raise PayloadError(f"secagg: {exc}") from None
-        if masked.dtype != torch.int64 or masked.dim() != 1 or masked.numel() != layout.length:
-            raise PayloadError(f"secagg: the masked vector is I64 [{layout.length}] as its layout says")
-        if masked.numel() and (int(masked.min()) < 0 or int(masked.max()) >= 1 << g.m or info.get("modulus_bits") != g.m):
+        width = value_bytes(g.m)
+        if masked.dtype != torch.uint8 or masked.dim() != 1 or masked.numel() != layout.length * width or info.get("modulus_bits") != g.m:
+            raise PayloadError(f"secagg: the masked vector is U8 [{layout.length} x {width}] (its layout's values, {width} "
+                               f"little-endian bytes each for modulus 2^{g.m})")
+        values = unpack_values(masked.numpy(), width)
+        if values.size and int(values.max()) >= 1 << g.m:
             raise PayloadError(f"secagg: masked values lie in [0, 2^{g.m})")
         if g.layout is not None and layout != g.layout:
             raise PayloadError("secagg: this upload's layout differs from its group's")
-        return message
+        # the server works on the values (I64: what the upload checks take) from here on
+        return Message(message.kind, message.round, message.sender, {MASKED: torch.from_numpy(values.astype(np.int64))},
+                       message.meta, message.message_id)
 
     def collect(self, message: Message) -> Taken | None:
         if MASKED not in message.tensors:
