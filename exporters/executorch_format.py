@@ -36,6 +36,7 @@ class ExecutorchTrainFormat(ExportFormat):
         from edgefl.exporters.export import layout_of
         from edgefl.exporters.executorch_train import (
             METHOD,
+            check_runs,
             export_inference_program,
             export_training_program,
             step_parity,
@@ -55,6 +56,7 @@ class ExecutorchTrainFormat(ExportFormat):
         prog = export_training_program(job.module, x, y)
         train_path = folder / f"{src.name}.train.pte"
         train_path.write_bytes(prog.buffer)
+        check_runs(prog.buffer, x, y)
         parity = step_parity(job.module, prog.buffer, x, y, self.lr, max(self.momentum, 0.9))
         if not parity["ok"]:
             raise ExportError(f"{train_path.name}: one SGD step in ExecuTorch's runtime differs from PyTorch's "

@@ -219,6 +219,21 @@ def step_parity(net: nn.Module, buffer: bytes, x: torch.Tensor, y: torch.Tensor,
             "weights_max_abs_diff": w_abs, "rtol": STEP_RTOL, "atol": STEP_ATOL, "ok": bool(ok)}
 
 
+def check_runs(buffer: bytes, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One forward-backward pass in the runtime; an :class:`ExportError` naming what failed (a
+    program can export and still need a kernel the runtime's portable library lacks)."""
+    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+    try:
+        module = _load_for_executorch_for_training_from_buffer(buffer)
+        module.forward_backward(METHOD, (x, y))
+    except Exception as exc:
+        text = str(exc)
+        if "0x14" in text:
+            text += " (OperatorMissing: a kernel the runtime's portable library lacks)"
+        raise ExportError(f"the runtime cannot run the training program: {text}") from None
+
+
 @functools.lru_cache(maxsize=64)
 def trainability(name: str, num_classes: int = 10, input_shape: tuple[int, ...] | None = None) -> tuple[bool, str]:
     """Whether zoo model ``name`` exports as an ExecuTorch training program at its defaults, and if
@@ -231,8 +246,9 @@ def trainability(name: str, num_classes: int = 10, input_shape: tuple[int, ...] 
     torch.manual_seed(0)
     net = build_model(name, num_classes=num_classes, input_shape=input_shape)
     shape = input_shape or tuple(spec.default_input_shape)
+    x, y = torch.randn(2, *shape), torch.zeros(2, dtype=torch.long)
     try:
-        export_training_program(net, torch.randn(2, *shape), torch.zeros(2, dtype=torch.long))
+        check_runs(export_training_program(net, x, y).buffer, x, y)
     except ExportError as exc:
         return False, str(exc).removeprefix("cannot export a training program: ")
     return True, "yes"
