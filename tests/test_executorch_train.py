@@ -94,3 +94,30 @@ def test_a_model_with_batch_norm_is_refused_with_the_reason(tmp_path):
         export_training_program(net, torch.randn(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))
     assert "group" in info.value.hint
     assert trainability("lenet5") == (True, "yes") and trainability("mlp", 2, (30,)) == (True, "yes")
+
+
+def test_the_command_line_exports_a_run_and_lists_which_models_train_on_phones(cancer, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from edgefl.cli import app
+    from edgefl.exporters import executorch_train
+    from edgefl.rundir import RunDir
+
+    net = _model("mlp", cancer)
+    run = RunDir.create(tmp_path / "runs" / "run", "tiny", 0)
+    run.save_model("global-mlp", net.state_dict(), {
+        "model": "mlp", "model_options": {}, "num_classes": 2, "input_shape": [30],
+        "class_names": list(cancer.class_names), "dataset": cancer.name, "round": 1, "arch": "mlp"})
+    res = CliRunner().invoke(app, ["export", str(run.path), "--format", "executorch-train", "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["global-mlp.pte", "global-mlp.pte.json",
+                                                                   "global-mlp.train.pte", "global-mlp.train.pte.json"]
+    # edgefl models --phones: the column says yes or the reason (measured here for two models only: the
+    # zoo's big models take minutes to export)
+    verdicts = {"lenet5": (True, "yes"), "fedhe-cnn-0": trainability("fedhe-cnn-0")}
+    monkeypatch.setattr(executorch_train, "trainability", lambda name, *a: verdicts.get(name, (False, "not measured")))
+    res = CliRunner().invoke(app, ["models", "--phones"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    line = {ln.split("│")[1].strip(): ln for ln in res.output.splitlines() if ln.count("│") > 3}
+    assert line["lenet5"].rstrip(" │").endswith("yes") and "no: Operator" in line["fedhe-cnn-0"]
+    assert "batch_norm" in res.output.replace("│", "").replace(" ", "").replace("\n", "")  # the reason, wrapped in its cell
