@@ -11,7 +11,11 @@ runtime's Python bindings hand tensors over as torch tensors (a phone app gets `
 of ExecuTorch's own Java/Swift API instead); ``--report`` writes the edgefl modules the process
 imported, which the fleet test checks.
 
-Methods: FedAvg (download ``weights``, upload ``weights``). Not implemented here: chunked
+Methods: FedAvg (download ``weights``, upload ``weights``; NAME.train.pte) and FedHe (download and
+upload ``class_logits``; NAME.fedhe.train.pte, whose loss holds FedHe's distillation term with
+``logit_loss = "mse"``, the method's default: a run with ``logit_loss = "kl"`` needs another
+program and is not served by this one; ``--alpha``, ``--warmup-rounds`` and ``--count-offset``
+must match the run's method options, which the protocol does not carry). Not implemented here: chunked
 transfers (section 5; the exportable models' weights are far below the 512 KiB threshold: the
 program refuses larger uploads with the reason), signed server messages are accepted unchecked,
 evaluation requests (``evaluate``) and stages are ignored.
@@ -50,18 +54,28 @@ class PhoneTrainer:
         from executorch.extension.training import _load_for_executorch_for_training
 
         self.meta = json.loads(Path(str(program) + ".json").read_text())
-        if self.meta.get("program") != "training":
+        if self.meta.get("program") not in ("training", "training-fedhe"):
             raise SystemExit(f"{program}: not an ExecuTorch training program (its sidecar says {self.meta.get('program')!r})")
         self.module = _load_for_executorch_for_training(str(program))
         self.batch = int(self.meta["inputs_spec"][0]["shape"][0])
         self.x_shape = tuple(self.meta["inputs_spec"][0]["shape"][1:])
+        self.distill = self.meta["program"] == "training-fedhe"  # inputs (x, y, teacher, has, alpha)
+        self.num_classes = len(self.meta["class_labels"])
         self.order = self.meta["parameters_order"]  # program name -> state dict name
         self.params: dict[str, object] | None = None  # the runtime's own parameter tensors (known after a first pass)
 
-    def _pass(self, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    def _pass(self, x: np.ndarray, y: np.ndarray, teacher: np.ndarray | None = None, has: np.ndarray | None = None,
+              alpha: float = 0.0) -> tuple[float, np.ndarray]:
         import torch  # the bindings' tensor type only
 
-        loss, logits = self.module.forward_backward("forward", (torch.from_numpy(x), torch.from_numpy(y)))
+        inputs = [torch.from_numpy(x), torch.from_numpy(y)]
+        if self.distill:
+            b = len(x)
+            teacher = np.zeros((b, self.num_classes), np.float32) if teacher is None else teacher
+            has = np.zeros(b, np.float32) if has is None else has
+            inputs += [torch.from_numpy(np.ascontiguousarray(teacher, np.float32)), torch.from_numpy(np.ascontiguousarray(has, np.float32)),
+                       torch.tensor([alpha], dtype=torch.float32)]
+        loss, logits = self.module.forward_backward("forward", tuple(inputs))
         if self.params is None:
             self.params = self.module.named_parameters()
         return float(loss), logits.numpy()
@@ -93,18 +107,27 @@ class PhoneTrainer:
                 idx = np.concatenate([idx, np.resize(order, self.batch - real)])
             yield np.ascontiguousarray(x[idx], dtype=np.float32), np.ascontiguousarray(y[idx], dtype=np.int64), real
 
-    def train(self, x: np.ndarray, y: np.ndarray, epochs: int, lr: float, momentum: float, seed: int) -> float:
+    def train(self, x: np.ndarray, y: np.ndarray, epochs: int, lr: float, momentum: float, seed: int,
+              server: tuple[np.ndarray, np.ndarray] | None = None, alpha: float = 0.0) -> tuple[float, np.ndarray, np.ndarray]:
+        """SGD over the local data; returns the mean loss and, per class, the sum of the training
+        logits of its real samples (padding excluded) and their count, every epoch counted (FedHe)."""
         from executorch.extension.training import get_sgd_optimizer
 
         self._ensure_params(x, y)
         sgd = get_sgd_optimizer(self.params, lr, momentum, 0.0, 0.0, False)  # a new optimizer each round
         rng, losses = np.random.default_rng(seed), []
+        sums, counts = np.zeros((self.num_classes, self.num_classes)), np.zeros(self.num_classes, np.int64)
         for _ in range(epochs):
-            for xb, yb, _real in self.batches(x, y, rng):
-                loss, _ = self._pass(xb, yb)
+            for xb, yb, real in self.batches(x, y, rng):
+                teacher = has = None
+                if server is not None:
+                    teacher, has = server[0][yb], server[1][yb].astype(np.float32)
+                loss, logits = self._pass(xb, yb, teacher, has, alpha)
                 sgd.step(self.module.named_gradients())
                 losses.append(loss)
-        return float(np.mean(losses))
+                np.add.at(sums, yb[:real], logits[:real])
+                np.add.at(counts, yb[:real], 1)
+        return float(np.mean(losses)), sums, counts
 
     def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
         """Test accuracy from the program's logits (a pass without a step)."""
@@ -211,22 +234,38 @@ class PhoneDevice:
             print(f"[{self.id}] round {env.round}: codec {env.codec} (nothing to train from): not served", file=sys.stderr)
             return
         msg = decode(env.body)
-        if msg.kind != "weights":
-            print(f"[{self.id}] round {env.round}: a {msg.kind!r} download: this program runs FedAvg only", file=sys.stderr)
-            return
-        down = {k: v.numpy() for k, v in msg.tensors.items()}
-        t0 = time.perf_counter()
-        self.trainer._ensure_params(self.x, self.y)
-        self.trainer.load(down)
-        loss = self.trainer.train(self.x, self.y, self.args.epochs, self.args.lr, self.args.momentum, self.args.seed + env.round)
-        trained = self.trainer.weights()
         import torch  # the codec's tensor type
 
-        tensors = {k: (torch.from_numpy(trained[k]) if k in trained else msg.tensors[k]) for k in msg.tensors}  # buffers echoed
-        meta = {"num_samples": int(len(self.x)), "train_loss": loss, "arch": msg.meta.get("arch", "")[:64]}
+        t0 = time.perf_counter()
+        seed = self.args.seed + env.round
+        if msg.kind == "weights":  # FedAvg: start from the global weights, send the trained ones
+            down = {k: v.numpy() for k, v in msg.tensors.items()}
+            self.trainer._ensure_params(self.x, self.y)
+            self.trainer.load(down)
+            loss, _, _ = self.trainer.train(self.x, self.y, self.args.epochs, self.args.lr, self.args.momentum, seed)
+            trained = self.trainer.weights()
+            tensors = {k: (torch.from_numpy(trained[k]) if k in trained else msg.tensors[k]) for k in msg.tensors}  # buffers echoed
+            kind = "weights"
+        elif msg.kind == "class_logits" and self.trainer.distill:  # FedHe: own model, distilled toward the class logits
+            server = None
+            if "logits" in msg.tensors and env.round > self.args.warmup_rounds and self.args.alpha != 0:
+                server = (msg.tensors["logits"].numpy(), msg.tensors["mask"].numpy().astype(bool))
+            loss, sums, counts = self.trainer.train(self.x, self.y, self.args.epochs, self.args.lr, self.args.momentum, seed,
+                                                    server, self.args.alpha)
+            seen = np.flatnonzero(counts)
+            tensors = {"logits": torch.from_numpy((sums[seen] / (counts[seen] + self.args.count_offset)[:, None]).astype(np.float32)),
+                       "classes": torch.from_numpy(seen.astype(np.int64)), "counts": torch.from_numpy(counts[seen].astype(np.int64))}
+            kind = "class_logits"
+        else:
+            print(f"[{self.id}] round {env.round}: a {msg.kind!r} download that program {self.args.program} cannot serve",
+                  file=sys.stderr)
+            return
+        meta = {"num_samples": int(len(self.x)), "train_loss": loss}
+        if kind == "weights":
+            meta["arch"] = msg.meta.get("arch", "")[:64]
         if env.extra.get("info", {}).get("evaluate") and self.x_test is not None:
             meta["eval_accuracy"] = self.trainer.accuracy(self.x_test, self.y_test)
-        up = Message("weights", env.round, self.id, tensors, meta)
+        up = Message(kind, env.round, self.id, tensors, meta)
         data = pack(Envelope("upload", self.fed, env.round, self.id, encode(up), message_id=up.message_id,
                              model_version=env.model_version, codec="safetensors", extra={"tensors": tensor_manifest(tensors)}))
         if len(data) > CHUNK_THRESHOLD:
@@ -258,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=None, help="default: the sidecar's")
     p.add_argument("--momentum", type=float, default=None, help="default: the sidecar's")
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--alpha", type=float, default=1.0, help="FedHe: weight of the logit loss (method.alpha)")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="FedHe: rounds of cross-entropy only (method.warmup_rounds)")
+    p.add_argument("--count-offset", type=int, default=1, choices=(0, 1),
+                   help="FedHe: Eq. 8's +1, per-class logits sent as sum / (count + offset) (method.count_offset)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--report", default=None, help="write a JSON report (rounds served, acks, edgefl modules imported)")

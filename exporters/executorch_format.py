@@ -21,7 +21,7 @@ class ExecutorchTrainFormat(ExportFormat):
     name = "executorch-train"
     summary = ("NAME.train.pte (ExecuTorch training program: loss inside, fixed batch) and NAME.pte (inference); "
                "the sidecar names the parameters in program order and the optimiser")
-    suffixes = (".train.pte", ".pte")
+    suffixes = (".fedhe.train.pte", ".train.pte", ".pte")
     requires = (Requirement(("executorch",), "executorch (ExecuTorch's exporter and runtime)", hint=PHONES_EXTRA),)
 
     #: the training program's fixed batch and the optimiser it is meant for (the runtime's SGD);
@@ -76,6 +76,30 @@ class ExecutorchTrainFormat(ExportFormat):
             "loss": "cross_entropy (mean over the batch)", "step_parity": parity,
             "export_seconds": round(prog.export_seconds, 2), "executorch_version": _version()})
         files = [train]
+        # FedHe's program: the same model with its distillation term (inputs teacher, has, alpha)
+        fedhe = export_training_program(job.module, x, y, distill=True, num_classes=src.num_classes)
+        fedhe_path = folder / f"{src.name}.fedhe.train.pte"
+        fedhe_path.write_bytes(fedhe.buffer)
+        b, c = self.train_batch, src.num_classes
+        # checked like the plain program, with a teacher for half the classes so the term is live
+        gen = torch.Generator().manual_seed(0)
+        teacher_table = torch.randn(c, c, generator=gen)
+        has_class = (torch.arange(c) % 2 == 0).float()
+        distill = (teacher_table[y], has_class[y], torch.tensor([0.7]))
+        check_runs(fedhe.buffer, x, y, *distill)
+        fedhe_parity = step_parity(job.module, fedhe.buffer, x, y, self.lr, max(self.momentum, 0.9), distill=distill)
+        if not fedhe_parity["ok"]:
+            raise ExportError(f"{fedhe_path.name}: one SGD step in ExecuTorch's runtime differs from PyTorch's "
+                              f"(loss {fedhe_parity['loss_max_abs_diff']:.2e}, weights {fedhe_parity['weights_max_abs_diff']:.2e})")
+        files.append(ExportedFile(fedhe_path, self.name, "float32", b, extra={
+            **{k: v for k, v in train.extra.items() if k not in ("step_parity", "export_seconds")},
+            "program": "training-fedhe",
+            "inputs_spec": [*train.extra["inputs_spec"],
+                            {"name": "teacher", "shape": [b, c], "dtype": "float32", "meaning": "the server's logits of each sample's class"},
+                            {"name": "has", "shape": [b], "dtype": "float32", "meaning": "1 where the server has logits for the sample's class"},
+                            {"name": "alpha", "shape": [1], "dtype": "float32", "meaning": "weight of the logit loss (method.alpha)"}],
+            "loss": "cross_entropy + alpha * sum(has * mean((logits - teacher)^2, 1)) / B (FedHe, logit_loss = mse)",
+            "step_parity": fedhe_parity, "export_seconds": round(fedhe.export_seconds, 2)}))
         inf_path = folder / f"{src.name}.pte"
         job.log(f"{self.name}: {inf_path.name} (batch {job.options.batch})")
         inf_path.write_bytes(export_inference_program(job.module, job.sample[0]))

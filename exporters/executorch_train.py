@@ -46,6 +46,25 @@ class TrainStep(nn.Module):
         return nn.functional.cross_entropy(logits, y), logits.detach()
 
 
+class DistillStep(nn.Module):
+    """FedHe's loss (docs/methods.md, Eq. 13, ``logit_loss = "mse"``): cross-entropy plus ``alpha``
+    times the batch mean of each sample's mean squared distance to its class's server logits,
+    counted only where ``has`` is 1. ``teacher`` [B, C] (the server's logits of each sample's
+    class), ``has`` [B] and ``alpha`` [1] are inputs: with ``has`` all zeros it is plain
+    cross-entropy (FedHe's warm-up rounds), so one program serves every round."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, teacher: torch.Tensor, has: torch.Tensor,
+                alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.net(x)
+        per_sample = ((logits - teacher) ** 2).mean(dim=1)
+        loss = nn.functional.cross_entropy(logits, y) + alpha[0] * (per_sample * has).sum() / logits.shape[0]
+        return loss, logits.detach()
+
+
 @dataclass
 class TrainingProgram:
     buffer: bytes
@@ -73,7 +92,14 @@ def _reason_hint(reason: str) -> str:
     return "an op ExecuTorch's training path lacks"
 
 
-def export_training_program(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> TrainingProgram:
+def distill_inputs(x: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Example teacher, has and alpha inputs of a FedHe program at ``x``'s batch."""
+    b = x.shape[0]
+    return torch.zeros(b, num_classes), torch.zeros(b), torch.ones(1)
+
+
+def export_training_program(net: nn.Module, x: torch.Tensor, y: torch.Tensor, distill: bool = False,
+                            num_classes: int | None = None) -> TrainingProgram:
     """The joint forward-backward program of ``TrainStep(net)`` at the fixed shapes of ``x`` and ``y``;
     an :class:`ExportError` naming the reason when ExecuTorch's training path cannot take the model."""
     from executorch.exir import to_edge
@@ -81,10 +107,14 @@ def export_training_program(net: nn.Module, x: torch.Tensor, y: torch.Tensor) ->
 
     copy_ = _copy(net)
     rewritten = _rewrite_pools(copy_)
-    step = TrainStep(copy_).train()
+    step = (DistillStep(copy_) if distill else TrainStep(copy_)).train()
+    if distill and num_classes is None:
+        with torch.no_grad():
+            num_classes = int(copy_.eval()(x[:1]).shape[1])
+    args = (x, y, *distill_inputs(x, num_classes)) if distill else (x, y)
     t0 = time.perf_counter()
     try:
-        ep = torch.export.export(step, (x, y), strict=False)
+        ep = torch.export.export(step, args, strict=False)
         ep = _export_forward_backward(ep)
         prog = to_edge(ep).to_executorch()
         buffer = prog.buffer
@@ -180,10 +210,11 @@ class RuntimeTrainer:
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.optimizer = None
 
-    def step(self, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    def step(self, x: np.ndarray, y: np.ndarray, *extra: torch.Tensor) -> tuple[float, np.ndarray]:
+        """One pass and SGD step; ``extra`` are a FedHe program's teacher, has and alpha inputs."""
         from executorch.extension.training import get_sgd_optimizer
 
-        loss, logits = self.module.forward_backward(METHOD, (torch.from_numpy(x), torch.from_numpy(y)))
+        loss, logits = self.module.forward_backward(METHOD, (torch.from_numpy(x), torch.from_numpy(y), *extra))
         if self.optimizer is None:  # the parameters are known after the first pass (the bindings' rule)
             self.optimizer = get_sgd_optimizer(self.module.named_parameters(), self.lr, self.momentum, 0.0, self.weight_decay, False)
         self.optimizer.step(self.module.named_gradients())
@@ -194,20 +225,22 @@ class RuntimeTrainer:
 
 
 def step_parity(net: nn.Module, buffer: bytes, x: torch.Tensor, y: torch.Tensor, lr: float, momentum: float,
-                steps: int = 2) -> dict[str, Any]:
+                steps: int = 2, distill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
     """``steps`` SGD steps on one batch in the runtime and in PyTorch from the same weights: the
-    losses and the updated weights compared (max absolute and relative differences)."""
-    ref = TrainStep(_copy(net)).train()
+    losses and the updated weights compared (max absolute and relative differences). ``distill``:
+    a FedHe program's (teacher, has, alpha) inputs, the reference then being :class:`DistillStep`."""
+    extra = tuple(distill) if distill is not None else ()
+    ref = (DistillStep(_copy(net)) if distill is not None else TrainStep(_copy(net))).train()
     opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
     rt = RuntimeTrainer(buffer, lr, momentum)
     losses_pt, losses_rt = [], []
     for _ in range(steps):
         opt.zero_grad()
-        loss, _ = ref(x, y)
+        loss, _ = ref(x, y, *extra)
         loss.backward()
         opt.step()
         losses_pt.append(float(loss))
-        losses_rt.append(rt.step(x.numpy(), y.numpy())[0])
+        losses_rt.append(rt.step(x.numpy(), y.numpy(), *extra)[0])
     got = rt.parameters()
     ref_sd = dict(ref.named_parameters())
     w_abs = max(float(np.abs(got[k] - ref_sd[k].detach().numpy()).max()) for k in got)
@@ -219,14 +252,14 @@ def step_parity(net: nn.Module, buffer: bytes, x: torch.Tensor, y: torch.Tensor,
             "weights_max_abs_diff": w_abs, "rtol": STEP_RTOL, "atol": STEP_ATOL, "ok": bool(ok)}
 
 
-def check_runs(buffer: bytes, x: torch.Tensor, y: torch.Tensor) -> None:
+def check_runs(buffer: bytes, x: torch.Tensor, y: torch.Tensor, *extra: torch.Tensor) -> None:
     """One forward-backward pass in the runtime; an :class:`ExportError` naming what failed (a
     program can export and still need a kernel the runtime's portable library lacks)."""
     from executorch.extension.training import _load_for_executorch_for_training_from_buffer
 
     try:
         module = _load_for_executorch_for_training_from_buffer(buffer)
-        module.forward_backward(METHOD, (x, y))
+        module.forward_backward(METHOD, (x, y, *extra))
     except Exception as exc:
         text = str(exc)
         if "0x14" in text:

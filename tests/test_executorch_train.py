@@ -73,7 +73,8 @@ def test_the_format_writes_both_programs_and_a_sidecar_naming_the_parameters(can
     src = from_module(net, "mlp", cancer.num_classes, (30,))
     src.dataset = cancer.name
     files = export_model(src, tmp_path, formats=("executorch-train",), dataset=cancer, test_samples=64, latency_runs=2)
-    assert sorted(f.path.name for f in files) == ["mlp.pte", "mlp.train.pte"]
+    assert sorted(f.path.name for f in files) == ["mlp.fedhe.train.pte", "mlp.pte", "mlp.train.pte"]
+    assert read_sidecar(tmp_path / "mlp.fedhe.train.pte")["inputs_spec"][2]["shape"] == [32, 2]
     train = read_sidecar(tmp_path / "mlp.train.pte")
     assert train["program"] == "training" and train["inputs_spec"][0]["shape"] == [32, 30]
     assert train["inputs_spec"][1] == {"name": "labels", "shape": [32], "dtype": "int64"}
@@ -110,7 +111,8 @@ def test_the_command_line_exports_a_run_and_lists_which_models_train_on_phones(c
         "class_names": list(cancer.class_names), "dataset": cancer.name, "round": 1, "arch": "mlp"})
     res = CliRunner().invoke(app, ["export", str(run.path), "--format", "executorch-train", "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["global-mlp.pte", "global-mlp.pte.json",
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["global-mlp.fedhe.train.pte", "global-mlp.fedhe.train.pte.json",
+                                                                   "global-mlp.pte", "global-mlp.pte.json",
                                                                    "global-mlp.train.pte", "global-mlp.train.pte.json"]
     # edgefl models --phones: the column says yes or the reason (measured here for two models only: the
     # zoo's big models take minutes to export)
@@ -121,3 +123,30 @@ def test_the_command_line_exports_a_run_and_lists_which_models_train_on_phones(c
     line = {ln.split("│")[1].strip(): ln for ln in res.output.splitlines() if ln.count("│") > 3}
     assert line["lenet5"].rstrip(" │").endswith("yes") and "no: Operator" in line["fedhe-cnn-0"]
     assert "batch_norm" in res.output.replace("│", "").replace(" ", "").replace("\n", "")  # the reason, wrapped in its cell
+
+
+def test_fedhes_program_matches_fedhes_loss_in_pytorch(cancer):
+    """The FedHe program (cross-entropy + alpha x masked MSE to the server's class logits) against
+    edgefl's own FedHe loss: loss and gradients after one runtime SGD step."""
+    from executorch.extension.training import _load_for_executorch_for_training_from_buffer, get_sgd_optimizer
+
+    from edgefl.algorithms.fedhe import masked_logit_loss
+
+    net = _model("mlp", cancer)
+    x, y = cancer.x_train[:16].contiguous(), cancer.y_train[:16].contiguous()
+    prog = export_training_program(net, x, y, distill=True, num_classes=2)
+    server = torch.tensor([[2.0, -1.0], [-0.5, 1.5]])
+    mask = torch.tensor([True, False])  # the server has logits for class 0 only
+    teacher, has, alpha = server[y], mask[y].float(), 0.7
+    ce_logits = net(x)
+    ref = torch.nn.functional.cross_entropy(ce_logits, y) + alpha * masked_logit_loss(ce_logits, teacher, has, "mse", 1.0)
+    ref.backward()
+    with torch.no_grad():
+        want = {k: p - 0.1 * p.grad for k, p in net.named_parameters()}
+    tm = _load_for_executorch_for_training_from_buffer(prog.buffer)
+    loss, _ = tm.forward_backward("forward", (x, y, teacher, has, torch.tensor([alpha])))
+    assert float(loss) == pytest.approx(float(ref), rel=RTOL, abs=ATOL)
+    get_sgd_optimizer(tm.named_parameters(), 0.1, 0.0, 0.0, 0.0, False).step(tm.named_gradients())
+    for p in prog.parameters:
+        np.testing.assert_allclose(tm.named_parameters()[p["program_name"]].numpy(), want[p["state_dict_name"]].numpy(),
+                                   rtol=RTOL, atol=ATOL, err_msg=p["state_dict_name"])
