@@ -514,8 +514,13 @@ class RunConfig(Strict):
         return self.train.model_copy(update={k: v for k in TrainOverride.model_fields if (v := getattr(group.train, k)) is not None})
 
     def filter_chain(self) -> list[tuple[str, dict[str, Any]]]:
-        """The ``[[filters]]`` as (name, options) pairs, in order (edgefl.filters.build_chain)."""
-        return [(f.name, f.options()) for f in self.filters]
+        """The ``[[filters]]`` as (name, options) pairs, in order (edgefl.filters.build_chain), with
+        what a filter derives from the run filled in (local-dp's noise from its target epsilon)."""
+        if not self.filters:
+            return []
+        from edgefl.filters import get_filter
+
+        return [(f.name, get_filter(f.name).resolve_options(f.options(), {"rounds": self.rounds})) for f in self.filters]
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump(mode="json", exclude_none=True)

@@ -407,9 +407,13 @@ def stage_drops(record: dict[str, Any]) -> dict[str, list[str]]:
 
 def privacy_spent(record: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """The epsilon each differential-privacy filter reports after this round, with its delta
-    (``filters.<name>.epsilon``, or ``epsilon_max`` over devices for local DP)."""
+    (``filters.<name>.epsilon``, or ``epsilon_max`` over devices for local DP), and DP-SGD's
+    largest device epsilon so far (``dp_sgd``, as ``dp-sgd``)."""
     out = {}
-    for name, facts in (record.get("filters") or {}).items():
+    sources = dict(record.get("filters") or {})
+    if isinstance(record.get("dp_sgd"), dict):  # DP-SGD on the devices, from their uploads (server.records.DPSGDLedger)
+        sources["dp-sgd"] = record["dp_sgd"]
+    for name, facts in sources.items():
         if not isinstance(facts, dict):
             continue
         epsilon = facts.get("epsilon", facts.get("epsilon_max"))

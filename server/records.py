@@ -42,6 +42,7 @@ class Tally:
     rejected: Rejections = field(default_factory=Rejections)
     last_accepted_unix: float | None = None  # wall clock of the last upload counted
     wall0: float = field(default_factory=time.perf_counter)
+    dp_sgd_epsilon: dict[str, float | None] = field(default_factory=dict)  # device -> its DP-SGD epsilon so far (None: no noise)
 
     def download(self, device: str, body_bytes: int | None, sent: int) -> None:
         """A download sent: its body counts as traffic down, an empty one (a method that sends
@@ -60,6 +61,9 @@ class Tally:
             self.bytes_control += size
         if message.meta.get("train_loss") is not None:
             self.train_loss[device] = round(float(message.meta["train_loss"]), 6)
+        if "dp_sgd_epsilon" in message.meta:  # range-checked with the upload (upload_checks.meta_problem)
+            spent = message.meta["dp_sgd_epsilon"]
+            self.dp_sgd_epsilon[device] = None if spent is None else round(float(spent), 6)
         if accepted:
             self.accepted[device] += 1
             self.last_accepted_unix = time.time()
@@ -70,6 +74,35 @@ class Tally:
             "late": self.late,
             "rejected": self.rejected.summary(),
             **traffic_fields(self.bytes_up, self.bytes_down, self.bytes_control, self.train_loss),
+            **({"dp_sgd_epsilon": dict(sorted(self.dp_sgd_epsilon.items()))} if self.dp_sgd_epsilon else {}),
+        }
+
+
+class DPSGDLedger:
+    """Each device's DP-SGD epsilon over the whole run (the newest it reported: an epsilon only
+    grows), turned into the record's ``dp_sgd`` facts, which every reader of a run's privacy
+    (console, summary, dashboard) takes like a privacy filter's: ``epsilon_max`` at ``delta``."""
+
+    def __init__(self, delta: float) -> None:
+        self.delta = delta
+        self.spent: dict[str, float | None] = {}
+
+    def restore(self, history: list[dict[str, Any]]) -> None:
+        for record in history:
+            self.note(record)
+
+    def note(self, record: dict[str, Any]) -> None:
+        """Take a record's reports; give it the run's facts so far (``record["dp_sgd"]``)."""
+        reported = record.get("dp_sgd_epsilon")
+        if isinstance(reported, dict):
+            self.spent.update(reported)
+        if not self.spent:
+            return
+        finite = [e for e in self.spent.values() if e is not None]
+        record["dp_sgd"] = {
+            "epsilon_max": max(finite) if finite else None, "delta": self.delta,
+            "epsilon_per_device": dict(sorted(self.spent.items())),
+            **({"without_noise": sorted(d for d, e in self.spent.items() if e is None)} if None in self.spent.values() else {}),
         }
 
 

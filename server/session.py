@@ -34,6 +34,7 @@ from edgefl.server.asynchronous import AsyncUpdates
 from edgefl.server.clock import RunClock, TransportClock
 from edgefl.server.endpoint import EventSink, ServerEndpoint
 from edgefl.server.policy import RoundPolicy
+from edgefl.server.records import DPSGDLedger
 from edgefl.server.rounds import SyncRounds
 from edgefl.server.shipping import safe_name, write_ship_plan
 from edgefl.server.state import load_state, save_state
@@ -99,6 +100,9 @@ class RunSession:
         #: each device's weights, where this process holds them (a simulation sets it): what ship.json picks from
         self.device_models: Callable[[], dict[str, dict[str, Any]]] | None = None
         self._t0 = time.perf_counter()
+        deltas = [t.dp_sgd.delta for t in [cfg.train, *(g.train for g in cfg.fleet.groups)] if t is not None and t.dp_sgd is not None]
+        #: devices' DP-SGD epsilons over the run (their uploads say it), at the weakest delta configured
+        self.dp_sgd = DPSGDLedger(max(deltas)) if deltas else None
 
     def _events(self, sink: EventSink | None) -> EventSink:
         def on_event(kind: str, info: dict[str, Any]) -> None:
@@ -171,17 +175,28 @@ class RunSession:
         policy = self.policy
         assert isinstance(policy, SyncRounds)  # an asynchronous run is refused above
         policy.history = history
+        if self.dp_sgd is not None:
+            self.dp_sgd.restore(history)
         policy.last_round = self.endpoint.model_version = done
         policy.accept_early = True  # uploads devices queued while the server was down
         if isinstance(extra.get("run_id"), str):
             self.endpoint.run_id = extra["run_id"]
         if self.enrolment is not None:
             self.enrolment.restore(extra.get("enrolled"))
+        saved_filters = extra.get("filters") or {}
+        for f in self.filters:  # a privacy filter's releases: without them its epsilon would restart at 0
+            if f.name in saved_filters:
+                f.load_server_state(saved_filters[f.name])
+            elif f.server_state():
+                raise ConfigError(f"the saved server state holds nothing of filter {f.name!r}, whose accounting must go on",
+                                  hint="resume with the interrupted run's config.toml (its [[filters]] unchanged)")
         return done + 1
 
     # --- rounds ---------------------------------------------------------------------------------
     def after_round(self, record: dict[str, Any]) -> None:
         record["elapsed_s"] = round(time.perf_counter() - self._t0, 3)
+        if self.dp_sgd is not None:
+            self.dp_sgd.note(record)
         if self.run_dir is None:
             return
         self.run_dir.append_metrics(record)
@@ -191,6 +206,7 @@ class RunSession:
             save_state(self.server, self.run_dir.path / STATE_FILE,
                        {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
                         "device_accuracy": self.evaluator.device_accuracy,
+                        **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
                         **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})})
 
     def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -267,6 +283,8 @@ def privacy_spent(history: list[dict[str, Any]]) -> dict[str, Any]:
     """What the run's differential-privacy filters report after its last round (the epsilon spent)."""
     for record in reversed(history):
         facts = {name: f for name, f in (record.get("filters") or {}).items() if "epsilon" in f or "epsilon_max" in f}
+        if isinstance(record.get("dp_sgd"), dict):
+            facts["dp-sgd"] = record["dp_sgd"]
         if facts:
             return facts
     return {}

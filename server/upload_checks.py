@@ -72,6 +72,9 @@ def meta_problem(meta: dict[str, Any], num_classes: int | None) -> str | None:
     loss = meta.get("train_loss")
     if loss is not None and (not _number(loss) or not math.isfinite(float(loss))):
         return f"train_loss must be a finite number, got {str(loss)[:40]}"
+    spent = meta.get("dp_sgd_epsilon")  # DP-SGD: the device's epsilon so far (null: no noise, infinite)
+    if spent is not None and (not _number(spent) or not 0.0 <= float(spent) <= 1e6):
+        return f"dp_sgd_epsilon must be null or a number in [0, 1e6], got {str(spent)[:40]}"
     temperature = meta.get("temperature")
     if temperature is not None and (not _number(temperature) or not 0 < float(temperature) < 1e6):
         return f"temperature must be a positive number, got {str(temperature)[:40]}"

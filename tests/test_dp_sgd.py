@@ -5,7 +5,8 @@ The options and what is refused before a run (bad values with their key, BatchNo
 (with a huge clipping norm, no noise and fixed batches it is plain training; clipping bounds the
 step; the noise is there and seeded; Poisson batches, empty ones included); DP-SGD runs of FedAvg
 and FedHe whose uploads carry the device's epsilon as the accountant and Opacus' own accountant
-give it, the same numbers for the same seed, in a simulation and in an in-process fleet.
+give it, the same numbers for the same seed, in a simulation, an in-process fleet and a fleet of
+device processes over mosquitto.
 """
 
 from __future__ import annotations
@@ -313,6 +314,17 @@ def test_a_dp_sgd_run_uploads_each_devices_epsilon(method, uploads, tmp_path):
     for client, _, message, _ in uploads:
         by_client.setdefault(client, []).append(message.meta["dp_sgd_epsilon"])
     assert all(a < b for a, b in by_client.values())  # spent over the rounds
+    # the records, the summary and the console line say what the devices reported
+    import json
+
+    from edgefl.report import stage_notes
+
+    last = {client: eps[-1] for client, eps in by_client.items()}
+    assert records[-1]["dp_sgd_epsilon"] == {c: round(e, 6) for c, e in sorted(last.items())}
+    assert records[-1]["dp_sgd"]["epsilon_max"] == round(max(last.values()), 6) and records[-1]["dp_sgd"]["delta"] == 1e-5
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["privacy"]["dp-sgd"]["epsilon_max"] == records[-1]["dp_sgd"]["epsilon_max"]
+    assert f"dp-sgd epsilon {max(last.values()):.3g} (delta 1e-05)" in stage_notes(records[-1])
 
 
 def test_the_same_seed_gives_the_same_numbers_and_no_noise_other_numbers(uploads):
@@ -370,3 +382,25 @@ def test_the_steps_survive_a_restart_through_the_carried_state():
     # the noise of a round comes from (seed, "dp-sgd", device, round) on the device the model trains on
     a, b = noise_generator(0, "client-0", 2, torch.device("cpu")), noise_generator(0, "client-0", 2, torch.device("cpu"))
     assert torch.equal(torch.randn(3, generator=a), torch.randn(3, generator=b))
+
+
+def test_a_fleet_of_device_processes_ends_with_the_simulations_numbers(tmp_path, monkeypatch):
+    """FedHe with DP-SGD over mosquitto, one edgefl client process per device (the GroupNorm CNNs
+    draw dropout masks too): every device's accuracy is the simulation's."""
+    import shutil
+    import tempfile
+
+    from edgefl.fleet.launcher import run_fleet
+
+    if shutil.which("mosquitto") is None and shutil.which("mosquitto", path="/usr/sbin") is None:
+        pytest.skip("mosquitto is not installed")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    raw = dp_config("fedhe")
+    raw["network"] = {"round_deadline_s": 120, "federation": f"dp-sgd-{uuid.uuid4().hex[:8]}"}
+    raw["threads"] = 1
+    cfg = RunConfig.model_validate(raw)
+    sim = _run(raw)
+    fleet = run_fleet(cfg, None, None, device_timeout_s=300)
+    assert set(fleet["device_exit_codes"].values()) == {0} and [h["outcome"] for h in fleet["history"]] == ["complete"] * 2
+    assert fleet["final_accuracy"]["per_client"] == sim["final_accuracy"]["per_client"]
+    assert fleet["final_accuracy"]["overall"] == sim["final_accuracy"]["overall"]

@@ -77,3 +77,42 @@ def test_weight_methods_and_bad_options_are_refused():
         _config("fedhe", {"noise_multiplier": 1, "clip": 0})
     with pytest.raises(ConfigError, match="delta"):
         _config("fedhe", {"noise_multiplier": 1, "delta": 2})
+
+
+def test_a_target_epsilon_derives_each_devices_noise_or_refuses_a_run_that_would_pass_it():
+    from edgefl.privacy.accounting import noise_for
+
+    cfg = _config("fedhe", {"target_epsilon": 4.0}, rounds=3)
+    (name, options), = cfg.filter_chain()  # what the server, a simulated device and a device's task build from
+    assert name == "local-dp" and options["noise_multiplier"] == pytest.approx(noise_for(4.0, 1e-5, 1.0, 3), abs=2e-6)
+    assert Gaussian(options["noise_multiplier"], 1.0, 3).epsilon(1e-5) <= 4.0  # rounded up, never past the target
+    with pytest.raises(ConfigError, match="more than target_epsilon 1"):
+        _config("fedhe", {"target_epsilon": 1.0, "noise_multiplier": 0.5}, rounds=3)
+    with pytest.raises(ConfigError, match="noise_multiplier or target_epsilon"):
+        _config("fedhe", {"clip": 1.0})
+
+
+def test_the_servers_accounting_survives_a_restart(tmp_path):
+    """A resumed server (edgefl server --resume) goes on counting each device's releases from the
+    saved state instead of from zero; a state saved without them is refused."""
+    from edgefl.fleet.launcher import run_fleet
+    from edgefl.server.session import STATE_FILE, RunSession
+    from edgefl.server.state import load_state, save_state
+    from edgefl.build import build_run
+
+    cfg = _config("fedhe", {"noise_multiplier": 0.5}, rounds=2)
+    run = RunDir.create(tmp_path / "fleet", cfg.name, cfg.seed)
+    fleet = run_fleet(cfg, None, run, broker="memory://local-dp-resume", device_timeout_s=120)
+    assert set(fleet["device_exit_codes"].values()) == {0}
+    spent = _records(tmp_path / "fleet")[-1]["filters"]["local-dp"]
+    restarted = RunSession(build_run(cfg), None, "local-dp-resume", runner="fleet", run_dir=run, deadline_s=60,
+                           save_state_each_round=True)
+    assert restarted.resume() == 3
+    (f,) = restarted.filters
+    assert f.round_facts(3) == spent  # every device's two releases, as the first server counted them
+    extra = load_state(restarted.server, run.path / STATE_FILE)
+    del extra["filters"]
+    save_state(restarted.server, run.path / STATE_FILE, extra)
+    again = RunSession(build_run(cfg), None, "local-dp-resume", runner="fleet", run_dir=run, deadline_s=60)
+    with pytest.raises(ConfigError, match="accounting must go on"):
+        again.resume()

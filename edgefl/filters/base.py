@@ -69,6 +69,13 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         names, in order)."""
         return None
 
+    @classmethod
+    def resolve_options(cls, options: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+        """The options both sides build the filter from, with whatever the run decides filled in
+        (``run``: ``rounds``). Called by ``RunConfig.filter_chain()``, so a device (through its
+        config or its task) and the server see the same values; the default changes nothing."""
+        return options
+
     # --- the device side ----------------------------------------------------------------------
     def download_in(self, message: Message) -> Message:
         """A download or evaluate request the device received (after decoding, before checks)."""
@@ -124,6 +131,14 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         """Server side, after the round's stages: what the server half receives in place of the
         uploads this filter collected (the unmasked sums)."""
         return []
+
+    def server_state(self) -> dict[str, Any]:
+        """Server side: what must survive a server restart (``edgefl server --resume``), as JSON
+        values: a privacy filter's releases, say, without which its epsilon would restart at 0."""
+        return {}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:  # noqa: B027  (optional hook)
+        """Restore :meth:`server_state` (read from the run's saved state: check what it holds)."""
 
     def describe(self) -> dict[str, Any]:
         """What run.json records of it."""

@@ -277,6 +277,18 @@ class DPFedAvg(Filter):
         self.clip = float(min(1e6, max(1e-9, self.clip * math.exp(-self.options.clip_learning_rate * (share - self.options.target_quantile)))))
         self._unclipped = {}
 
+    def server_state(self) -> dict[str, Any]:
+        # the releases the accountant counts and the learnt clip; the noise multiplier is derived again in prepare()
+        return {"released": self._released, "clip": self.clip}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        released, clip = (state.get("released"), state.get("clip")) if isinstance(state, dict) else (None, None)
+        if not (isinstance(released, int) and not isinstance(released, bool) and 0 <= released <= 10_000_000):
+            raise PayloadError("dp-fedavg: the saved state's release count is not a count")
+        if not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and 0 < clip <= 1e6):
+            raise PayloadError("dp-fedavg: the saved state's clip is out of range")
+        self._released, self.clip = released, float(clip)
+
     def round_facts(self, round_no: int) -> dict[str, Any]:
         z = float(self.noise_multiplier or 0.0)
         epsilon = Gaussian(z, self._sample_rate, self._released).epsilon(self.options.delta)

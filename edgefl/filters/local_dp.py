@@ -28,12 +28,12 @@ import math
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from edgefl.errors import PayloadError
 from edgefl.filters.base import Filter, FilterOptions
 from edgefl.messages import Message
-from edgefl.privacy.accounting import Gaussian
+from edgefl.privacy.accounting import Gaussian, noise_for
 from edgefl.seeding import derive_seed
 
 META = "filter.local-dp"
@@ -42,9 +42,19 @@ KNOWLEDGE = "class."  # Felo's and Velo's per-class tensors (edgefl.algorithms.f
 
 class LocalDPOptions(FilterOptions):
     clip: float = Field(10.0, gt=0, le=1e6, description="L2 norm each logits row (FedHe) or the head's change (CHFL) is clipped to")
-    noise_multiplier: float = Field(..., ge=0, le=1e4, description="z: the noise's standard deviation is z x the upload's "
-                                    "sensitivity (2 clip sqrt(C) for FedHe's C classes, 2 clip for CHFL's head)")
+    noise_multiplier: float | None = Field(None, ge=0, le=1e4, description="z: the noise's standard deviation is z x the upload's "
+                                           "sensitivity (2 clip sqrt(C) for FedHe's C classes, 2 clip for CHFL's head); "
+                                           "None: derived from target_epsilon")
+    target_epsilon: float | None = Field(None, gt=0, le=1e4, description="epsilon each device may spend at delta over the run: "
+                                         "derives the noise multiplier from the planned rounds (a device releasing in every round), "
+                                         "or refuses a run whose given one spends more")
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of each device's (epsilon, delta) guarantee")
+
+    @model_validator(mode="after")
+    def _noise_or_target(self) -> LocalDPOptions:
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise ValueError("give noise_multiplier or target_epsilon (or both, to check one against the other)")
+        return self
 
 
 class LocalDP(Filter):
@@ -56,9 +66,31 @@ class LocalDP(Filter):
         super().__init__(*args, **kwargs)
         self._head: dict[str, torch.Tensor] | None = None  # CHFL: the head the device downloaded
         self._releases: dict[str, set[int]] = {}  # server: device -> the rounds it released noised knowledge
+        if self.options.noise_multiplier is None:  # filled in from target_epsilon by RunConfig.filter_chain()
+            raise ValueError("local-dp: target_epsilon without noise_multiplier needs the run's rounds: build the chain from "
+                             "RunConfig.filter_chain()")
+
+    @classmethod
+    def resolve_options(cls, options: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+        """``target_epsilon`` without ``noise_multiplier``: the z at which a device that releases in
+        every one of the planned rounds spends exactly the target (Opacus' RDP accountant, sampling
+        rate 1), written into the options both sides build from."""
+        if options.get("noise_multiplier") is None and isinstance(options.get("target_epsilon"), (int, float)):
+            delta = options.get("delta", LocalDPOptions.model_fields["delta"].default)
+            z = noise_for(float(options["target_epsilon"]), float(delta), 1.0, int(run.get("rounds", 1)))
+            return {**options, "noise_multiplier": round(float(z), 6) + 1e-6}  # rounded up: never spends more than the target
+        return options
 
     @classmethod
     def refusal(cls, options: FilterOptions, spec: Any, **run: Any) -> str | None:
+        assert isinstance(options, LocalDPOptions)
+        if options.noise_multiplier is not None and options.target_epsilon is not None:
+            rounds = int(run.get("rounds", 1))
+            spent = Gaussian(options.noise_multiplier, 1.0, rounds).epsilon(options.delta)
+            if spent > options.target_epsilon:
+                return (f"noise_multiplier {options.noise_multiplier:g} spends epsilon {spent:.3g} per device over the planned "
+                        f"{rounds} rounds, more than target_epsilon {options.target_epsilon:g}: raise the noise, lower rounds, "
+                        "or drop noise_multiplier to derive it")
         if spec.uploads not in (("class_logits",), ("head",), ("class_features",)):
             return (f"{spec.name} uploads {', '.join(spec.uploads)}: local-dp noises knowledge uploads (FedHe's per-class logits, "
                     "Felo's and Velo's per-class features and logits, CHFL's head); weight methods take dp-fedavg")
@@ -127,6 +159,16 @@ class LocalDP(Filter):
         self._releases.setdefault(message.sender, set()).add(message.round)  # a resend is the same release
         return Message(message.kind, message.round, message.sender, message.tensors,
                        {k: v for k, v in message.meta.items() if k != META}, message.message_id)
+
+    def server_state(self) -> dict[str, Any]:
+        return {"releases": {d: sorted(r) for d, r in self._releases.items()}}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        releases = state.get("releases") if isinstance(state, dict) else None
+        if not isinstance(releases, dict):
+            raise PayloadError("local-dp: the saved state holds no releases")
+        self._releases = {str(d): {int(r) for r in rounds if isinstance(r, int) and not isinstance(r, bool)}
+                          for d, rounds in releases.items() if isinstance(rounds, list)}
 
     def round_facts(self, round_no: int) -> dict[str, Any]:
         """Each device's epsilon so far (the rounds it released noised knowledge), and the largest."""
