@@ -126,14 +126,16 @@ for _spec in (
         "edgefl.server.methods.felo:VeloServer",
         "edgefl.algorithms.felo:VeloOptions",
         uploads=("class_features",), downloads=("class_features",),
-        needs_individual_uploads="Velo's server trains its CVAE on each device's features, which a sum cannot give",
+        needs_individual_uploads="Velo's server trains its CVAE on each device's features, which a sum cannot give; "
+                                 "Felo (method.name = \"felo\") shares the same per-class knowledge and can be secured",
     ),
     *(
         MethodSpec(
             name, description, "edgefl.algorithms.fedmho:FedMHOClient", "edgefl.server.methods.fedmho:FedMHOServer",
             f"edgefl.algorithms.fedmho:{options}", uploads=("weights", "decoder"), downloads=("weights",),
             one_shot=True, generator_clients=True,
-            needs_individual_uploads="FedMHO's server samples from each device's CVAE decoder, which cannot be summed",
+            needs_individual_uploads="FedMHO's server samples from each device's CVAE decoder, which cannot be summed; "
+                                     "a secured run of classifiers alone is FedAvg (method.name = \"fedavg\")",
         )
         for name, options, description in (
             ("fedmho", "FedMHOOptions", "FedMHO (Yao et al.): one-shot; classifier clients + CVAE-decoder clients, server "
@@ -149,7 +151,8 @@ for _spec in (
         "edgefl.server.methods.fedmho:FedCVAEServer",
         "edgefl.algorithms.fedmho:FedCVAEOptions",
         uploads=("decoder",), one_shot=True, generator_clients=True,
-        needs_individual_uploads="FedCVAE-Ens samples from each device's CVAE decoder, which cannot be summed",
+        needs_individual_uploads="FedCVAE-Ens samples from each device's CVAE decoder, which cannot be summed; "
+                                 "for a secured run train classifiers with FedAvg or FedHe instead",
     ),
     MethodSpec(
         "chfl",

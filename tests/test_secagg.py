@@ -160,7 +160,9 @@ def test_methods_whose_server_needs_individual_uploads_are_refused_before_the_ru
     with pytest.raises(ConfigError, match="cannot be secured by summing") as caught:
         _config(method, {})
     if method == "velo":
-        assert "CVAE" in str(caught.value)
+        assert "CVAE" in str(caught.value) and 'method.name = "felo"' in str(caught.value)  # the alternative, named
+    if method in ("fedmho", "fedcvae"):
+        assert "FedAvg" in str(caught.value)
 
 
 def test_an_asynchronous_run_and_fedhe_count_weighting_are_refused():
@@ -301,3 +303,56 @@ def test_masked_values_travel_in_as_few_bytes_as_the_modulus_needs():
     assert value_bytes(36) == 5 and packed.dtype == np.uint8 and packed.size == 20
     assert packed[:5].tolist() == [0, 0, 0, 0, 0] and packed[5:10].tolist() == [1, 0, 0, 0, 0]
     assert np.array_equal(unpack_values(packed, 5), values)
+
+
+def test_what_the_server_receives_of_a_real_round_unmasks_only_as_the_sum(monkeypatch):
+    """A secured FedAvg round in simulation, everything the server received kept: each device's
+    masked upload (the bytes the broker relays) and the self-mask shares of the unmask stage.
+    With t - 1 of a device's shares its self-mask seed is not recovered (combining them as if enough
+    gives another number); even with its seed, its vector minus the self mask is not its input (the
+    pair masks stay); the sum of all of them minus every self mask is the sum of the inputs."""
+    from edgefl.filters import secagg as secagg_module
+    from edgefl.filters.secagg import unpack_values, value_bytes
+    from edgefl.sim import Simulation
+
+    inputs, wire, seen = {}, {}, {}
+    upload_out, unmasked_sum = SecAgg.upload_out, secagg_module._unmasked_sum
+
+    def keep_upload(self, message):
+        out = upload_out(self, message)
+        if MASKED in out.tensors:
+            inputs[message.sender] = to_sum_form(message)[0].double()
+            wire[message.sender] = out.tensors[MASKED].clone()
+        return out
+
+    def keep_sum(side, name, g, b_parts, s_parts, round_no):
+        seen[name] = (g, {u: dict(p) for u, p in b_parts.items()})
+        return unmasked_sum(side, name, g, b_parts, s_parts, round_no)
+
+    monkeypatch.setattr(SecAgg, "upload_out", keep_upload)
+    monkeypatch.setattr(secagg_module, "_unmasked_sum", keep_sum)
+    cfg = _config("fedavg", {}, rounds=1, mlps_only=True)
+    assert Simulation(cfg, show_progress=False).run_round(1)["outcome"] == "complete"
+    o = cfg.filters[0].options()
+    clip, bits = o.get("clip", secagg_module.SecAggOptions().clip), o.get("bits", secagg_module.SecAggOptions().bits)
+    for g, b_parts in seen.values():
+        m, n = g.m, len(g.masked)
+        total = np.zeros(g.layout.length, dtype=np.uint64)
+        for u, masked in g.masked.items():
+            # what the server holds is what the device sent through the broker
+            assert np.array_equal(unpack_values(wire[u].numpy(), value_bytes(m)), masked)
+            parts = sorted(b_parts[u].items())
+            assert len(parts) >= g.t >= 2
+            with pytest.raises(ValueError):
+                shamir.combine(dict(parts[: g.t - 1]), g.t)
+            seed = shamir.combine(dict(parts[: g.t]), g.t)
+            guess = shamir.combine_int([(x, int.from_bytes(s, "big")) for x, s in parts[: g.t - 1]], g.t - 1)
+            assert guess != int.from_bytes(seed, "big")  # t - 1 shares interpolate to another polynomial's value
+            alone = fixedpoint.sub_mod(masked, prg.mask(seed, len(masked), m), m)
+            mine = fixedpoint.encode(inputs[u], clip=clip, value_bits=bits, modulus_bits=m,
+                                     generator=torch.Generator().manual_seed(0))
+            assert np.mean(alone == mine) < 0.01  # the pair masks still hide the device's codes
+            total = fixedpoint.add_mod(total, alone, m)
+        got = fixedpoint.decode_sum(total, count=n, clip=clip, value_bits=bits, modulus_bits=m)
+        want = sum(inputs[u] for u in g.masked)
+        assert torch.allclose(got, want, atol=n * fixedpoint.step(clip, bits))  # stochastic rounding: < 1 step each
