@@ -195,6 +195,31 @@ def check_models_fit(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]) -> No
                 f"{'x'.join(map(str, shape))} ({str(exc).splitlines()[0]})",
                 hint="pick a model for this input size (`edgefl models` lists them) or another dataset or view",
             ) from None
+        _check_weights_fit_a_message(cfg, model, slot.arch, group_index)
+
+
+#: what an upload carries beside its tensors (envelope, safetensors header, meta): a generous bound
+MESSAGE_OVERHEAD_BYTES = 1 << 20
+#: the kinds of message that carry a model's whole state (Felo's class_features carry its weights too)
+WEIGHT_KINDS = frozenset({"weights", "decoder", "class_features"})
+
+
+def _check_weights_fit_a_message(cfg: RunConfig, model: torch.nn.Module, arch: str, group_index: int) -> None:
+    """A method that sends a model's weights needs them to fit in one message (network.max_message_bytes,
+    chunked on the wire): refused before the run, with the limit that would carry them, rather than
+    uploads refused mid-run (a full-width VGG-9 is 277 MB, over the 256 MiB default)."""
+    spec = get_method(cfg.method.name)
+    if not (WEIGHT_KINDS & (set(spec.uploads) | set(spec.downloads))):
+        return
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    limit = cfg.network.max_message_bytes
+    if size + MESSAGE_OVERHEAD_BYTES > limit:
+        need = math.ceil((size + MESSAGE_OVERHEAD_BYTES) / (1 << 20)) << 20
+        raise ConfigError(
+            f"fleet.groups[{group_index}]: model {arch}'s weights are {size / 1e6:.1f} MB, which {cfg.method.name} sends whole: "
+            f"over network.max_message_bytes = {limit} ({limit / (1 << 20):g} MiB), so its uploads would be refused",
+            hint=f"raise the limit: [network] max_message_bytes = {need} (and max_partial_bytes_total at least twice that "
+                 "for a fleet), or choose a smaller model (`edgefl models`)")
 
 
 def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:

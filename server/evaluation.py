@@ -78,6 +78,10 @@ class Evaluator:
         record = self._judged(server, globals_, answers, self.personal)
         if record is not None:
             record["judged_on"] = self._source(bool(globals_), answers)
+            references = {name: score for name, (arch, state) in server.reference_models().items()
+                          if (score := self._judge(server, arch, state)) is not None}
+            if references:
+                record["references"] = references
         return record
 
     def _source(self, has_globals: bool, answers: dict[str, float]) -> str:

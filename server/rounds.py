@@ -137,6 +137,8 @@ class SyncRounds(RoundPolicy):
             server_record: dict[str, Any] = {"failed": True}
         else:
             server_record = self.server.close_round(r)
+            if isinstance(server_record.get("failure"), str):  # the server half could not do the round's work
+                outcome, st.failure = "failed", server_record["failure"]
         closed = self.clock.now()
         train_time = time.perf_counter() - wall0
         self._note_stragglers(st)

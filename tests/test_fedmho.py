@@ -257,3 +257,58 @@ def test_server_training_defaults_follow_the_paper_per_dataset():
     assert global_training(FedMHOOptions(), "mnist") == (10, 1e-5)
     assert global_training(FedMHOOptions(), "digits") == (20, 5e-4)  # not in the paper: Fashion's
     assert global_training(FedMHOOptions(global_epochs=3, global_lr=0.1), "mnist") == (3, 0.1)
+
+
+# --- as the paper and the authors' code run it (issue 38) ------------------------------------------
+def test_the_authors_code_reading_of_the_fusion_loss_is_ce_plus_kldivloss_at_its_default_mean():
+    torch.manual_seed(0)
+    student, y, teacher = torch.randn(6, 10), torch.randint(0, 10, (6,)), torch.randn(6, 10)
+    # what the authors' code computes: nn.KLDivLoss() (reduction "mean": over batch and classes), no lambda
+    authors = F.cross_entropy(student, y) + torch.nn.KLDivLoss()(F.log_softmax(student, 1), F.softmax(teacher, 1))
+    assert float(fusion_loss(student, y, teacher, 0.5, "authors-code")) == pytest.approx(float(authors), rel=1e-5)
+    assert float(fusion_loss(student, y, teacher, 0.5, "paper")) == pytest.approx(
+        0.5 * float(F.cross_entropy(student, y)) + 0.5 * float(kl_to_teacher(student, teacher)), rel=1e-5)
+
+
+def test_every_fedmho_run_records_the_fedavg_of_classifiers_it_fuses_from(tmp_path):
+    import json
+
+    run = RunDir.create(tmp_path, "fedmho", 0)
+    summary = simulation(fedmho_config("fedmho-md", fusion_loss="authors-code"), run).run()
+    refs = summary["final_accuracy"]["references"]
+    assert set(refs) == {"fedavg-of-classifiers"} and 0 < refs["fedavg-of-classifiers"] <= 1
+    record = json.loads((run.path / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["server"]["fusion_loss"] == "authors-code"
+
+
+def test_a_one_shot_run_in_which_no_classifier_reported_fails_with_the_reason(tmp_path, monkeypatch):
+    """The outside trial's case: every classifier upload refused (there: over the message limit),
+    fusion skipped; the round fails with the reason and `edgefl simulate` exits 3, never 0."""
+    from typer.testing import CliRunner
+
+    from edgefl.algorithms.fedmho import FedMHOClient
+    from edgefl.cli import app
+
+    real = FedMHOClient.fit
+
+    def no_classifier(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if out is not None and out.kind == "weights":
+            out.meta["num_samples"] = 0  # refused by the upload checks, as an oversized upload would be
+        return out
+
+    monkeypatch.setattr(FedMHOClient, "fit", no_classifier)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(RunConfig.model_validate(fedmho_config("fedmho")).to_toml())
+    res = CliRunner().invoke(app, ["simulate", str(cfg), "--out", str(tmp_path / "runs")])
+    assert res.exit_code == 3, res.output
+    assert "no classifier client reported" in res.output
+
+
+def test_weights_too_large_for_one_message_are_refused_before_the_run():
+    raw = fedmho_config("fedmho")
+    raw["network"] = {"max_message_bytes": 1 << 16, "max_partial_bytes_total": 1 << 17}
+    raw["fleet"]["groups"][0]["options"] = {"hidden": [512, 512]}
+    with pytest.raises(ConfigError, match="over network.max_message_bytes") as caught:
+        simulation(raw)
+    assert "max_message_bytes =" in caught.value.hint

@@ -54,6 +54,10 @@ class FedMHOOptions(_ServerFusionOptions):
         "ce", description="ce: FedMHO (Eq. 5); md: + KL to the classifier clients' mean logits (Eq. 6); sd: + KL to the initial global model (Eq. 7)"
     )
     lam: float = Field(0.5, ge=0, le=1, description="Eq. 8: lam x CE + (1 - lam) x KL (md and sd)")
+    fusion_loss: Literal["paper", "authors-code"] = Field(
+        "paper", description="how md and sd weigh KL: paper: Eq. 8, lam x CE + (1 - lam) x KL (KL averaged over the batch); "
+                             "authors-code: the FedMHO authors' public code, CE + nn.KLDivLoss() at its default mean reduction "
+                             "(KL / C for C classes, lam unused)")
     keep_ratio: float = Field(0.8, gt=0, le=1, description="K-means filtering: share of each class's samples kept (1: no filtering)")
     global_model: str | None = Field(None, description="architecture of the global model (default: the most common classifier architecture)")
 

@@ -153,6 +153,11 @@ class ServerHalf(ABC):
         """Architecture -> weights of the models the server holds (none for knowledge methods)."""
         return {}
 
+    def reference_models(self) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+        """Name -> (architecture, weights) of models the records judge beside the global ones, on
+        the same test set (FedMHO's FedAvg of classifiers it fuses from: Table IV's starting point)."""
+        return {}
+
     def shared_weights(self, client_id: str) -> dict[str, torch.Tensor]:
         """The weights ``client_id`` downloads and uploads a trained copy of (an asynchronous run
         turns its upload into a staleness-discounted step from them: server/asynchronous.py).

@@ -63,6 +63,7 @@ class _OneShotGenerativeServer(ServerHalf):
         self.global_arch: str | None = None
         self.global_state: dict[str, torch.Tensor] | None = None
         self.preview: torch.Tensor | None = None
+        self.reference: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
 
     # --- uploads ------------------------------------------------------------------------
     def accept(self, message: Message) -> Receipt:
@@ -129,6 +130,9 @@ class _OneShotGenerativeServer(ServerHalf):
     def global_models(self) -> dict[str, dict[str, torch.Tensor]]:
         return {self.global_arch: self.global_state} if self.global_state is not None and self.global_arch else {}
 
+    def reference_models(self) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+        return self.reference
+
     def write_artifacts(self, directory: Path) -> list[Path]:
         if self.preview is None:
             return []
@@ -164,7 +168,9 @@ class FedMHOServer(_OneShotGenerativeServer):
         generator_senders = [s for s in self.pending if self.kind_of[s] == "generator"]
         if not classifier_senders:
             self.pending = {}
-            return {"fused": False, "reason": "no classifier client reported: FedMHO has nothing to initialise the global model from"}
+            # a failure, not a result: the run ends with no global model, and says so (exit 3)
+            return {"fused": False, "failure": "no classifier client reported: FedMHO has nothing to initialise the global model from "
+                                               f"({len(generator_senders)} decoders arrived; see each device's receipt)"}
         assert self.global_arch is not None
         record: dict[str, Any] = {"fused": True, "fusion": opts.fusion, "lam": opts.lam, "device": str(device), "global_arch": self.global_arch,
                                   "global_epochs": epochs, "global_lr": lr}
@@ -179,6 +185,9 @@ class FedMHOServer(_OneShotGenerativeServer):
         global_model = self.build_initial(self.global_arch)
         if same_arch:
             global_model.load_state_dict(weighted_average([self.pending[s].tensors for s in same_arch], [1.0] * len(same_arch)))
+            # what fusion starts from, judged in the records beside the fused model (Table IV's FedAvg row)
+            self.reference = {"fedavg-of-classifiers": (self.global_arch, {k: v.detach().cpu().clone()
+                                                                            for k, v in global_model.state_dict().items()})}
         record["init"] = f"average of {len(same_arch)} {self.global_arch}"
 
         if not generator_senders:
@@ -210,7 +219,9 @@ class FedMHOServer(_OneShotGenerativeServer):
             teacher_logits = mean_logits([_frozen_copy(global_model)], x, device)
         lam = opts.lam if teacher_logits is not None else 1.0
         stats = train_on_synthetic(global_model, x, y, teacher_logits, lam, epochs=epochs, lr=lr,
-                                   batch_size=opts.global_batch, generator=order, device=device)
+                                   batch_size=opts.global_batch, generator=order, device=device, reading=opts.fusion_loss)
+        if teacher_logits is not None:
+            record["fusion_loss"] = opts.fusion_loss
         record.update(steps=stats.steps, loss_first_epoch=stats.first_loss, loss_last_epoch=stats.last_loss)
         self.global_state = {k: v.detach().cpu().clone() for k, v in global_model.state_dict().items()}
         self.pending = {}
@@ -242,7 +253,7 @@ class FedCVAEServer(_OneShotGenerativeServer):
         epochs, lr = global_training(opts, self.dataset)
         device = pick_device(opts.device if "device" in opts.model_fields_set else self.device)
         if not self.pending:
-            return {"fused": False, "reason": "no decoder reported"}
+            return {"fused": False, "failure": "no decoder reported: FedCVAE-Ens has nothing to generate from (see each device's receipt)"}
         x, y, record = self._synthesise(proportional_plan, round_no, device)
         self._keep_preview(x, y)
         torch.manual_seed(derive_seed(self.seed, "server-init", self.global_arch))

@@ -22,10 +22,17 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) ->
     return F.kl_div(F.log_softmax(student_logits, 1), F.log_softmax(teacher_logits, 1), reduction="batchmean", log_target=True)
 
 
-def fusion_loss(student_logits: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor | None, lam: float) -> torch.Tensor:
-    """Eq. 8: lam * CE + (1 - lam) * KL; plain CE (Eq. 5) when there is no teacher or lam = 1."""
+def fusion_loss(student_logits: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor | None, lam: float,
+                reading: str = "paper") -> torch.Tensor:
+    """Eq. 8: lam * CE + (1 - lam) * KL; plain CE (Eq. 5) when there is no teacher or lam = 1.
+    ``reading = "authors-code"``: CE + KL / C, what the FedMHO authors' code computes with
+    ``nn.KLDivLoss()`` (its default ``reduction="mean"`` averages over batch and classes)."""
     ce = F.cross_entropy(student_logits, y)
-    if teacher_logits is None or lam >= 1.0:
+    if teacher_logits is None:
+        return ce
+    if reading == "authors-code":
+        return ce + kl_to_teacher(student_logits, teacher_logits) / student_logits.shape[1]
+    if lam >= 1.0:
         return ce
     return lam * ce + (1.0 - lam) * kl_to_teacher(student_logits, teacher_logits)
 
@@ -65,6 +72,7 @@ def train_on_synthetic(
     batch_size: int,
     generator: torch.Generator,
     device: torch.device,
+    reading: str = "paper",
 ) -> FusionStats:
     """Adam on the synthetic set; ``lam = 0`` with teachers is pure distillation (ensemble
     distillation), ``teacher_logits = None`` plain cross-entropy."""
@@ -79,7 +87,7 @@ def train_on_synthetic(
             xb, yb = x[idx].to(device), y[idx].to(device)
             tb = teacher_logits[idx].to(device) if teacher_logits is not None else None
             opt.zero_grad(set_to_none=True)
-            loss = fusion_loss(model(xb), yb, tb, lam)
+            loss = fusion_loss(model(xb), yb, tb, lam, reading)
             loss.backward()
             opt.step()
             steps += 1
