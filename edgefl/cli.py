@@ -91,6 +91,8 @@ def simulate(
     workers: Annotated[Optional[str], typer.Option("--workers", help="spread the devices over N processes or Ray actors (auto: one per core)")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="local (processes) or ray")] = None,
     address: Annotated[Optional[str], typer.Option("--address", help="--backend ray: the cluster to join (default: start one here)")] = None,
+    resume: Annotated[bool, typer.Option(help="continue the stopped run in --out from its last checkpoint "
+                                               "(simulation.checkpoint_every; CONFIG defaults to the run's config.toml)")] = False,
 ) -> None:
     """Run a federated training job on a simulated fleet (in this process, or spread over workers)."""
     from edgefl.build import build_run
@@ -105,6 +107,14 @@ def simulate(
     spread = [f"simulation.workers={workers if workers == 'auto' else _whole(workers, '--workers')}"] if workers else []
     spread += [f'simulation.backend="{backend}"'] if backend else []
     spread += [f'simulation.ray_address="{address}"'] if address else []
+    if resume:
+        if out_dir is None:
+            raise EdgeflError("--resume needs --out: the run directory of the stopped run")
+        if config is None:
+            config = out_dir / "config.toml"
+            if not config.is_file():
+                raise EdgeflError(f"{out_dir} holds no config.toml: is it a run directory?",
+                                  hint="pass the stopped run's --out folder, or its config as CONFIG")
     cfg = load_config(config, _cli_overrides(set_, data_dir, track) + spread, preset)
     from edgefl.sim.engine import check_simulable
 
@@ -114,23 +124,30 @@ def simulate(
     if show_config:  # validated exactly as the run would be
         out.print(cfg.to_toml(), markup=False, highlight=False)
         return
-    run = RunDir.create(out_dir, cfg.name, cfg.seed)
+    run = RunDir(out_dir) if resume else RunDir.create(out_dir, cfg.name, cfg.seed)
     n = cfg.fleet.num_clients
     err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
     _say_data(parts)
     stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
+    sim = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts)
+    if resume:
+        first = sim.resume()
+        err.print(f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1})" if first <= cfg.rounds
+                  else f"all {cfg.rounds} rounds were played: nothing left to resume, the results are written again")
     try:
         with stop:
-            summary = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts).run(should_stop=stop.requested)
+            summary = sim.run(should_stop=stop.requested)
     except KeyboardInterrupt:
         summary = {"interrupted": True}
     if summary.get("interrupted"):
         done = len(run.metrics()) if (run.path / "metrics.jsonl").is_file() else 0
         if done:
             out.print(accuracy_table(run))
+        again = (f"; continue it: edgefl simulate --resume --out {run.path}" if cfg.simulation.checkpoint_every and cfg.mode == "sync"
+                 and (run.path / "server-state.safetensors").is_file() else "")
         err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {done} of {cfg.rounds} rounds; models, summary and "
-                  f"plots of what ran are in {run.path} (edgefl report {run.path})")
+                  f"plots of what ran are in {run.path} (edgefl report {run.path}){again}")
         raise typer.Exit(130)
     baseline_stopped = _baseline(cfg, parts, run, quiet)
     out.print(accuracy_table(run))

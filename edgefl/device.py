@@ -141,7 +141,7 @@ class DeviceLoop:
         if saved_run != run:
             log.warning("%s: the saved state is from another run (%s); starting afresh", self.device, saved_run)
             return
-        self._load_state(tensors)
+        self.load_carry_state(tensors)
         self.served[round_no] = unpack(upload, self.net.max_message_bytes)
         self.latest_round = max(self.latest_round, round_no)
         self.resumed_from = round_no
@@ -296,7 +296,7 @@ class DeviceLoop:
         for old in [k for k in self.served if k < r - 1]:
             del self.served[old]
         if self.state is not None:  # before sending: a crash after the send resends this very upload
-            self.state.save(r, self.run_id, self._carry(), pack(upload))
+            self.state.save(r, self.run_id, self.carry_state(), pack(upload))
         self._send(upload)
 
     def package(self, env: Envelope, message: Message) -> Envelope:
@@ -357,14 +357,14 @@ class DeviceLoop:
                             model_version=env.model_version, codec="safetensors", extra={"tensors": tensor_manifest(message.tensors)}))
 
     # --- what survives a crash ------------------------------------------------------------------
-    def _carry(self) -> dict[str, torch.Tensor]:
+    def carry_state(self) -> dict[str, torch.Tensor]:
         """The client half's carried state and each filter's (prefixed ``filter.<i>.``)."""
         out = dict(self.client.carry_state())
         for i, f in enumerate(self.filters):
             out.update({f"{FILTER_STATE}{i}.{name}": t for name, t in f.carry_state().items()})
         return out
 
-    def _load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_carry_state(self, tensors: dict[str, torch.Tensor]) -> None:
         mine = {k: v for k, v in tensors.items() if not k.startswith(FILTER_STATE)}
         self.client.load_carry_state(mine)
         for i, f in enumerate(self.filters):

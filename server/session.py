@@ -12,6 +12,7 @@ import json
 import math
 import logging
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,8 @@ from edgefl.transport.base import ServerTransport
 
 log = logging.getLogger("edgefl.server")
 
+#: a simulation's devices' states at its last checkpoint (edgefl.sim.engine.Simulation)
+DEVICES_FILE = "devices-state.safetensors"
 STATE_FILE = "server-state.safetensors"
 #: record fields that depend on the machine and the moment, not on the run's numbers
 TIMING_FIELDS = ("round_time_s", "train_time_s", "eval_time_s", "elapsed_s", "closed_unix", "last_accepted_unix")  # wall clock: differs run to run
@@ -63,6 +66,11 @@ class RunSession:
         self.spec = get_method(cfg.method.name)
         self.server = build_server(cfg, parts.ds, parts.slots)
         self.save_state_each_round = save_state_each_round
+        #: a simulation's checkpoints: every N rounds and when stopped (0: none), with its devices' states saved by
+        #: save_devices(path, round) before the server's (whose round marks the checkpoint complete)
+        self.checkpoint_every = 0
+        self.save_devices: Callable[[Path, int], None] | None = None
+        self._saved_round = 0
         archs = {s.client_id: s.arch for s in parts.slots}
         judged = {s.client_id for s in parts.slots if get_spec(s.model).kind == "classifier"}
         held = cfg.data.device_held  # devices bring their own data: each judges on the share it holds out
@@ -201,13 +209,23 @@ class RunSession:
             return
         self.run_dir.append_metrics(record)
         self.trackers.log_round(record)
-        if self.save_state_each_round and self.cfg.mode == "sync":
-            # after every round, so a restarted server resumes where this one stopped
-            save_state(self.server, self.run_dir.path / STATE_FILE,
-                       {"round": record["round"], "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
-                        "device_accuracy": self.evaluator.device_accuracy,
-                        **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
-                        **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})})
+        every = self.checkpoint_every
+        if self.cfg.mode == "sync" and (self.save_state_each_round or (every and record["round"] % every == 0)):
+            # a restarted server (or simulation) resumes where this one stopped
+            self.save_checkpoint(record["round"])
+
+    def save_checkpoint(self, round_no: int) -> None:
+        """The server's state after ``round_no`` (and, in a simulation, its devices' first)."""
+        if self.run_dir is None or round_no == self._saved_round:
+            return
+        if self.save_devices is not None:
+            self.save_devices(self.run_dir.path / DEVICES_FILE, round_no)
+        save_state(self.server, self.run_dir.path / STATE_FILE,
+                   {"round": round_no, "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
+                    "device_accuracy": self.evaluator.device_accuracy,
+                    **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
+                    **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})})
+        self._saved_round = round_no
 
     def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
@@ -221,6 +239,8 @@ class RunSession:
         self.trackers = Trackers(self.cfg, self.run_dir.path if self.run_dir else None)
         try:
             self.policy.run(first_round, after, should_stop)
+            if self.checkpoint_every and self.policy.stopped_early and self.cfg.mode == "sync" and self.policy.history:
+                self.save_checkpoint(self.policy.history[-1]["round"])  # stopped: resumable from the last round played
         except KeyboardInterrupt:
             self.finish(interrupted=True)
             raise

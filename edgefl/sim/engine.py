@@ -8,13 +8,18 @@ counted are the bytes a fleet sends and the codec and the server's checks see ev
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import weakref
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from rich.console import Console
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgefl.algorithms import ClientHalf
@@ -30,7 +35,7 @@ from edgefl.rundir import RunDir
 from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
-from edgefl.server.session import RunSession, model_meta, safe_name
+from edgefl.server.session import DEVICES_FILE, RunSession, model_meta, safe_name
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
 from edgefl.sim.network import InMemoryNetwork
@@ -44,6 +49,9 @@ def check_simulable(cfg: RunConfig, runner: str = "a simulation") -> None:
         raise ConfigError(f'data.partition = "devices": the devices bring their own data, which {runner} does not have',
                           hint="run edgefl server with this config and edgefl client --data on each device (docs/your-data.md), "
                                "or split a data set: partition = \"iid\" or \"dirichlet\"")
+
+
+DEVICES_FORMAT = "edgefl-simulation-devices-1"
 
 
 class Simulation:
@@ -99,7 +107,52 @@ class Simulation:
                                   clock=self.network.run_clock())
         self.server = self.session.server
         self.session.device_models = self._device_models
+        if run_dir is not None and not self.hosts and cfg.mode == "sync":  # every device's state is here to save
+            self.session.checkpoint_every = cfg.simulation.checkpoint_every
+            self.session.save_devices = self._save_devices
         self._joined = False
+        self._first_round = 1  # a resumed run goes on from its checkpoint (resume())
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def _save_devices(self, path: Path, round_no: int) -> None:
+        """Every device's carried state (model, method state, filters' state) and the virtual
+        clock after ``round_no``, beside the server's state (written after this one)."""
+        tensors = {f"{device}|{name}": t.detach().cpu().contiguous().clone()
+                   for device, loop in sorted(self.network.loops.items()) for name, t in loop.carry_state().items()}
+        net = self.network
+        meta = {"format": DEVICES_FORMAT, "round": round_no, "devices": sorted(net.loops),
+                "clock": {"now": net.clock, "device_now": net._device_now, "busy_until": dict(net._busy_until)}}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"edgefl": json.dumps(meta)})
+        os.replace(tmp, path)
+
+    def resume(self) -> int:
+        """Restore the run in the run directory from its last checkpoint (the server's state,
+        the records so far, every device's state, the virtual clock); returns the next round."""
+        if not self.session.checkpoint_every:
+            why = ("it spreads devices over worker processes, whose states are not saved" if self.hosts else
+                   "it runs asynchronously (resume: not built)" if self.cfg.mode == "async" else "simulation.checkpoint_every is 0")
+            raise ConfigError(f"this run cannot be resumed: {why}", hint="start it again")
+        first = self.session.resume()
+        path = self.run_dir.path / DEVICES_FILE  # type: ignore[union-attr]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {}).get("edgefl", "null"))
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise ConfigError(f"{path}: the devices' checkpoint cannot be read ({exc})", hint="start the run again") from None
+        if not isinstance(meta, dict) or meta.get("format") != DEVICES_FORMAT or meta.get("round") != first - 1 \
+                or meta.get("devices") != sorted(self.network.loops):
+            raise ConfigError(f"{path} does not hold this run's devices after round {first - 1} (a checkpoint interrupted "
+                              "while it was written, or another run's)", hint="start the run again")
+        for device, loop in self.network.loops.items():
+            prefix = device + "|"
+            loop.load_carry_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        clock = meta["clock"]
+        self.network.clock, self.network._device_now = float(clock["now"]), float(clock["device_now"])
+        self.network._busy_until = {str(d): float(t) for d, t in clock["busy_until"].items()}
+        self._first_round = first
+        return first
 
     def _device_models(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every device's weights (from the worker hosts too): what the run's ship plan picks from."""
@@ -151,13 +204,15 @@ class Simulation:
         """Play every round (``should_stop``, asked between rounds, ends the run early: models,
         summary and metrics of what was played are written either way)."""
         cfg = self.cfg
-        self.session.write_start()
+        first = self._first_round
+        if first == 1:
+            self.session.write_start()
         self._join()
         progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=self.console, transient=True, disable=not self.show_progress,
         )
-        rounds_task = progress.add_task("rounds", total=cfg.rounds)
+        rounds_task = progress.add_task("rounds", total=cfg.rounds, completed=first - 1)
         # the same progress as plain lines every 10 s when stderr is a log, not a terminal
         heartbeat = Heartbeat(self.console, enabled=self.show_progress and not self.console.is_terminal)
 
@@ -212,7 +267,7 @@ class Simulation:
         self._events = on_event
         try:
             with progress, heartbeat:
-                summary = self.session.run(on_record=on_record, should_stop=should_stop)
+                summary = self.session.run(first, on_record=on_record, should_stop=should_stop)
         except KeyboardInterrupt:
             self.fetch_client_states()
             if self.run_dir and not self.server.global_models():

@@ -1,0 +1,110 @@
+"""Long runs survive being stopped (issue 38): a simulation checkpoints the server's state and
+every device's (models, what methods and filters carry, the virtual clock) every
+``simulation.checkpoint_every`` rounds and when it is stopped, and `edgefl simulate --resume`
+goes on from there with the records an uninterrupted run writes: after a stop between rounds,
+and after a crash past the last checkpoint (the rounds recorded since are played again)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from edgefl.config import RunConfig
+from edgefl.errors import ConfigError
+from edgefl.rundir import RunDir
+from edgefl.sim import Simulation
+from tests.conftest import method_config
+from tests.test_every_method import _records
+
+
+def _config(method: str, filters: list | None = None, rounds: int = 4, every: int = 2) -> RunConfig:
+    raw = method_config(method, rounds=rounds)
+    raw["threads"] = 1
+    raw.setdefault("simulation", {})["checkpoint_every"] = every
+    if filters:
+        raw["filters"] = filters
+    return RunConfig.model_validate(raw)
+
+
+CASES = {
+    "fedavg": ("fedavg", None),
+    "fedhe": ("fedhe", None),
+    "fedin": ("fedin", None),
+    "felo": ("felo", None),
+    "velo": ("velo", None),
+    "chfl": ("chfl", None),
+    # filters that carry state: top-k's residual on the device, DP-FedAvg's releases on the server
+    "fedavg+topk+dp": ("fedavg", [{"name": "topk", "fraction": 0.2}, {"name": "dp-fedavg", "clip": 5.0, "noise_multiplier": 0.3}]),
+    "fedhe+local-dp": ("fedhe", [{"name": "local-dp", "noise_multiplier": 0.5}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_stopped_and_resumed_run_writes_what_an_uninterrupted_one_writes(case, tmp_path):
+    method, filters = CASES[case]
+    cfg = _config(method, filters)
+    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
+    Simulation(cfg, whole, show_progress=False).run()
+
+    # stopped after round 3 (a Ctrl-C between rounds): the stop writes a checkpoint at round 3
+    stopped = RunDir.create(tmp_path / "stopped", cfg.name, cfg.seed)
+    played: list[int] = []
+    first = Simulation(cfg, stopped, show_progress=False, on_round=lambda r: played.append(r["round"]))
+    assert first.run(should_stop=lambda: len(played) >= 3)["interrupted"]
+    again = Simulation(cfg, RunDir(stopped.path), show_progress=False)
+    assert again.resume() == 4
+    again.run()
+    assert _records(stopped.path) == _records(whole.path)
+
+
+def test_a_crash_past_the_last_checkpoint_plays_those_rounds_again(tmp_path, monkeypatch):
+    from edgefl.server.rounds import SyncRounds
+
+    cfg = _config("fedhe", rounds=5, every=2)
+    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
+    Simulation(cfg, whole, show_progress=False).run()
+    crashed = RunDir.create(tmp_path / "crashed", cfg.name, cfg.seed)
+    real = SyncRounds.run_round
+
+    def crash_in_round_4(self, r):
+        if r == 4:
+            raise RuntimeError("the machine went away")
+        return real(self, r)
+
+    monkeypatch.setattr(SyncRounds, "run_round", crash_in_round_4)
+    with pytest.raises(RuntimeError):
+        Simulation(cfg, crashed, show_progress=False).run()
+    assert [r["round"] for r in _records(crashed.path)] == [1, 2, 3]  # the checkpoint is after round 2
+    monkeypatch.setattr(SyncRounds, "run_round", real)
+    again = Simulation(cfg, RunDir(crashed.path), show_progress=False)
+    assert again.resume() == 3
+    again.run()
+    assert _records(crashed.path) == _records(whole.path)
+
+
+def test_the_command_line_resumes_from_the_run_directory_alone(tmp_path):
+    from edgefl.cli import app
+
+    cfg = _config("fedavg", rounds=3, every=1)
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--quiet", "--set", "rounds=2"])
+    assert res.exit_code == 0, res.output
+    # the same directory with another config (3 rounds) is refused; its own config resumes (nothing left to play)
+    res = CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--resume", "--quiet"])
+    assert isinstance(res.exception, ConfigError) and "belongs to another config" in str(res.exception)
+    res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "nothing left to resume" in res.output
+    assert [r["round"] for r in _records(out)] == [1, 2]
+
+
+def test_what_cannot_be_resumed_is_refused_with_the_reason(tmp_path):
+    cfg = _config("fedavg", every=0)
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    with pytest.raises(ConfigError, match="checkpoint_every is 0"):
+        Simulation(cfg, run, show_progress=False).resume()
+    cfg = _config("fedavg")
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        Simulation(cfg, RunDir.create(tmp_path / "empty", cfg.name, cfg.seed), show_progress=False).resume()
