@@ -20,7 +20,7 @@ import torch
 from edgefl.algorithms import ClientHalf, ClientSetup
 from edgefl.compute import resolve_device
 from edgefl.config import GroupSettings, RunConfig
-from edgefl.data import Dataset, class_counts, dirichlet, iid, load_dataset, shards, subsample
+from edgefl.data import Dataset, class_counts, contiguous, dirichlet, iid, load_dataset, shards, subsample
 from edgefl.data.views import View, make_view
 from edgefl.errors import ConfigError
 from edgefl.methods import get_method
@@ -79,6 +79,8 @@ def partition(cfg: RunConfig, ds: Dataset) -> list[np.ndarray]:
         parts = iid(labels, n, rng)
     elif d.partition == "dirichlet":
         parts = dirichlet(labels, n, d.alpha, rng, min_samples=d.min_samples)
+    elif d.partition == "contiguous":
+        parts = contiguous(labels, n)
     else:
         parts = shards(labels, n, d.shards_per_client, rng)
     if d.samples_per_client is not None:

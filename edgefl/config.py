@@ -124,8 +124,9 @@ class DataSettings(Strict):
     download: bool = Field(True, description="fetch fashion-mnist/mnist into the user cache when no folder has them")
     idx_name: str | None = Field(None, description='dataset = "idx": the name reports give your data set')
     classes: Whole | list[str] | None = Field(None, description='dataset = "idx": the number of classes, or their names in label order')
-    partition: Literal["iid", "dirichlet", "shards", "devices"] = Field(
-        "dirichlet", description='how training samples are split across simulated devices; "devices": real devices train on data only '
+    partition: Literal["iid", "dirichlet", "shards", "contiguous", "devices"] = Field(
+        "dirichlet", description='how training samples are split across simulated devices ("contiguous": the training set cut in file '
+                                 'order into equal parts, the FedHe authors\' split); "devices": real devices train on data only '
                                  "they hold (edgefl client --data), the server splits nothing and its data set names the task "
                                  "(classes, input shape, normalisation) and is its own test set (docs/your-data.md)")
     alpha: float = Field(0.5, gt=0, description="dirichlet: concentration (smaller = more skewed labels per device)")

@@ -21,6 +21,14 @@ def iid(labels: np.ndarray, num_clients: int, seed: int | np.random.Generator = 
     return [np.sort(part) for part in np.array_split(order, num_clients)]
 
 
+def contiguous(labels: np.ndarray, num_clients: int) -> list[np.ndarray]:
+    """The training set cut in its file order into equal consecutive parts (the FedHe authors'
+    split: device k holds samples k*n/N .. (k+1)*n/N; about IID when the file is not label-sorted)."""
+    if num_clients > len(labels):
+        raise ConfigError(f"{num_clients} devices cannot each hold a part of {len(labels)} samples")
+    return list(np.array_split(np.arange(len(labels)), num_clients))
+
+
 def dirichlet(
     labels: np.ndarray,
     num_clients: int,

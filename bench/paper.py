@@ -1,0 +1,387 @@
+"""The seed papers' tables, one command each (issue 38), at the papers' scale or scaled to a CPU.
+
+    ./dev.sh bench paper TABLE [--scale paper|cpu] [--device auto|cpu|cuda] [--seeds 0,1,2]
+                               [--out DIR] [--cells KEY,KEY] [--set KEY=VALUE] [--report-only] [--list]
+
+TABLE is one of ``fedhe``, ``fedin``, ``felo-velo``, ``fedmho``, ``chfl`` (``--list`` says what each
+runs and what the paper reports). Every cell of a table (a method, a partition, a seed) is one
+``edgefl simulate`` run of its own in ``OUT/<cell>/`` (OUT defaults to
+``bench/results/paper/<table>-<scale>``), so a table can be filled in several sittings and on
+several machines:
+
+* a cell whose run finished is not run again;
+* a cell that was stopped (Ctrl-C, a closed session, a lent GPU handed back) resumes from its last
+  checkpoint (``simulation.checkpoint_every``, and every stop) with the numbers an uninterrupted
+  run gives (``edgefl simulate --resume``);
+* copy OUT to another machine with the same data and the same command goes on there.
+
+After the cells (or with ``--report-only``, from whatever cells are done) it prints the paper's row
+beside its own, writes ``OUT/table.json`` (each cell's final and best accuracy, its run directory,
+the seeds, the commit, the machine and the device) and draws ``OUT/table.png``. Rows the paper
+reports on a data set this machine does not have (MNIST, CIFAR-10) are shown as the paper's, with
+the data set named, beside the Fashion-MNIST run: they are not the same experiment.
+
+``--scale paper`` is the papers' setting (for a GPU: it is days of CPU time); ``--scale cpu`` keeps
+every choice but the length, the number of devices and the models' width. docs/benchmarks.md
+says which rows were measured where; a row no GPU ran stays "not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import tomli_w
+from common import RESULTS, save_figure
+
+from edgefl.config import apply_overrides
+from edgefl.environment import machine, package_versions
+
+ROOT = Path(__file__).resolve().parents[1]
+RESNETS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
+
+
+@dataclass
+class Cell:
+    key: str  # the run directory's name: unique within a table
+    row: str  # the table row it fills (a method, perhaps with its setting)
+    column: str  # the column (a partition or a Dirichlet alpha)
+    seed: int
+    config: dict[str, Any]
+    metric: str = "final"  # "final": the last evaluation; "best": the best over the run (the paper's habit for CHFL)
+    extra: Callable[[dict[str, Any]], dict[str, float]] | None = None  # more rows from the same run (FedMHO's FedAvg reference)
+
+
+@dataclass
+class Table:
+    title: str
+    note: str
+    paper: dict[tuple[str, str], float]  # (row, column) -> the paper's number, percent
+    paper_source: str
+    cells: Callable[[str, int], list[Cell]]  # (scale, seed) -> the cells
+    columns: list[str] = field(default_factory=list)
+
+
+# --- FedHe (paper 002): heterogeneous, FedHe against private training --------------------------------
+def _fedhe(scale: str, seed: int) -> list[Cell]:
+    paper = scale == "paper"
+    cells = []
+    for method, row in (("fedhe", "FedHe"), ("local", "Private")):
+        raw = {
+            "name": f"paper-fedhe-{method}", "seed": seed,
+            # the authors' loop: one client of ten per iteration (drawn at random), three batches of 50, Adam 1e-3;
+            # a synchronous round with one device selected is one iteration, so the run checkpoints and resumes
+            "rounds": 50_000 if paper else 2_000,
+            "method": {"name": method, **({"alpha": 1.0, "logit_loss": "mse", "warmup_rounds": 10} if method == "fedhe" else {})},
+            "data": {"dataset": "fashion-mnist", "partition": "contiguous", **({} if paper else {"test_samples": 2000})},
+            "train": {"epochs": 1, "batch_size": 50, "optimizer": "adam", "lr": 1e-3, "max_steps": 3},
+            "fleet": {"sample_ratio": 0.1,
+                      "groups": [{"model": f"fedhe-cnn-{i}", **({} if paper else {"options": {"width": 0.25}})} for i in range(10)]},
+            "eval": {"every": 1000 if paper else 200},
+            "simulation": {"checkpoint_every": 1000 if paper else 200},
+        }
+        cells.append(Cell(f"{method}-s{seed}", row, "contiguous", seed, raw))
+    return cells
+
+
+# --- FedIN (paper 001) Table 1, Fashion-MNIST -----------------------------------------------------------
+def _fedin(scale: str, seed: int) -> list[Cell]:
+    paper = scale == "paper"
+    cells = []
+    for variant, row, options in (("fedin", "FedIN", {}), ("fedavg", "FedAvg", {"in_training": False, "mu_half": 0.0})):
+        for partition in ("iid", "dirichlet"):
+            raw = {
+                "name": f"paper-fedin-{variant}-{partition}", "seed": seed, "rounds": 500 if paper else 30,
+                # FedAvg as the paper compares it: the same layer-wise aggregation over the five depths, no IN, no prox
+                "method": {"name": "fedin", **options},
+                "data": {"dataset": "fashion-mnist", "partition": partition, "alpha": 0.5,
+                         **({} if paper else {"samples_per_client": 600, "test_samples": 2000})},
+                "train": {"epochs": 5 if paper else 1, "batch_size": 16, "optimizer": "adam", "lr": 1e-3},
+                "fleet": {"sample_ratio": 0.1 if paper else 0.25,
+                          "groups": [{"model": d, "count": 20 if paper else 4,
+                                      "options": {"width": 1.0 if paper else 0.25, "stem": "imagenet"}} for d in RESNETS]},
+                "eval": {"every": 10 if paper else 5},
+                "simulation": {"checkpoint_every": 10 if paper else 5},
+            }
+            cells.append(Cell(f"{variant}-{partition}-s{seed}", row, partition, seed, raw))
+    return cells
+
+
+# --- Felo and Velo (paper 000) against FedAvg-groups ---------------------------------------------------------
+def _felo_velo(scale: str, seed: int) -> list[Cell]:
+    paper = scale == "paper"
+    width, feature_dim = (1.0, 512) if paper else (0.25, 128)
+    cells = []
+    for method, row in (("felo", "Felo"), ("velo", "Velo"), ("fedavg", "FedAvg-groups")):
+        for partition in ("iid", "dirichlet"):
+            m: dict[str, Any] = {"name": method}
+            if method in ("felo", "velo"):
+                m["feature_dim"] = feature_dim
+            raw = {
+                "name": f"paper-{method}-{partition}", "seed": seed, "rounds": 300 if paper else 60,
+                "method": m,
+                "data": {"dataset": "fashion-mnist", "partition": partition, "alpha": 0.5,
+                         **({} if paper else {"samples_per_client": 600, "test_samples": 2000})},
+                "train": {"epochs": 1, "batch_size": 50, "optimizer": "adam", "lr": 1e-3},
+                "fleet": {"sample_ratio": 0.2, "groups": [{"model": d, "count": 4,
+                                                           "options": {"width": width, "stem": "imagenet", "feature_dim": feature_dim}}
+                                                          for d in RESNETS]},
+                "eval": {"every": 10 if paper else 5},
+                "simulation": {"checkpoint_every": 10 if paper else 5},
+            }
+            cells.append(Cell(f"{method}-{partition}-s{seed}", row, partition, seed, raw))
+    return cells
+
+
+# --- FedMHO (paper 003) Table IV, Fashion-MNIST -------------------------------------------------------------
+def _fedavg_reference(summary: dict[str, Any]) -> dict[str, float]:
+    refs = ((summary.get("final_accuracy") or {}).get("references") or {})
+    return {"FedAvg": refs["fedavg-of-classifiers"]} if "fedavg-of-classifiers" in refs else {}
+
+
+def _fedmho(scale: str, seed: int) -> list[Cell]:
+    paper = scale == "paper"
+    width = 1.0 if paper else 0.5
+    vgg = {"model": "vgg9", "count": 5, "options": {"width": width},
+           "train": {"optimizer": "sgd", "lr": 1e-3, "momentum": 0.9, "epochs": 200 if paper else 10}}
+    cvae = {"model": "cvae-small", "count": 5, "train": {"optimizer": "adam", "lr": 1e-3, "epochs": 40}}
+    cells = []
+    for method, row in (("fedmho", "FedMHO"), ("fedmho-md", "FedMHO-MD"), ("fedmho-sd", "FedMHO-SD"), ("fedcvae", "FEDCVAE")):
+        for alpha in (0.5, 0.3, 0.1):
+            m: dict[str, Any] = {"name": method, "global_epochs": 20, "global_lr": 5e-4, "global_batch": 64, "synthetic_samples": 6000}
+            groups = [vgg, cvae]
+            if method == "fedcvae":  # every client a CVAE; the server trains a VGG-9 from scratch
+                m.update(global_model="vgg9", global_model_options={"width": width})
+                groups = [{**cvae, "count": 10}]
+            raw = {
+                "name": f"paper-{method}-a{alpha}", "seed": seed, "rounds": 1, "method": m,
+                "data": {"dataset": "fashion-mnist", "partition": "dirichlet", "alpha": alpha, "min_samples": 10},
+                "train": {"batch_size": 64},
+                "fleet": {"groups": groups},
+                # a full-width VGG-9 is 277 MB, over the default message limit
+                **({"network": {"max_message_bytes": 320 << 20, "max_partial_bytes_total": 1 << 30}} if paper else {}),
+            }
+            cells.append(Cell(f"{method}-a{alpha}-s{seed}", row, f"Dir {alpha}", seed, raw,
+                              extra=_fedavg_reference if method == "fedmho" else None))
+    return cells
+
+
+# --- CHFL (paper 004) Table 1, BCD ------------------------------------------------------------------------------
+def _chfl(scale: str, seed: int) -> list[Cell]:
+    cells = []
+    for method, row, options in (("chfl", "CHFL", {"mode": "kd"}), ("local", "SOLO", {}), ("chfl", "AVG", {"mode": "avg"})):
+        for partition, column in (("iid", "iid"), ("dirichlet", "non-iid")):
+            raw = {
+                "name": f"paper-chfl-{row.lower()}-{partition}", "seed": seed, "rounds": 60,
+                "method": {"name": method, **options, **({"embedding_dim": 64} if method == "chfl" else {})},
+                "data": {"dataset": "breast-cancer", "partition": partition, "alpha": 0.5, "min_samples": 30,
+                         "client_test_fraction": 0.3},
+                "train": {"epochs": 1, "batch_size": 16, "optimizer": "adam", "lr": 1e-3},
+                "fleet": {"groups": [{"model": "mlp", "count": 8, "options": {"hidden": "random", "feature_dim": 64},
+                                      "view": {"kind": "features", "fraction": 0.3}}]},
+                "eval": {"every": 1},
+                "simulation": {"checkpoint_every": 0},  # seconds a run: nothing worth resuming
+            }
+            cells.append(Cell(f"{row.lower()}-{partition}-s{seed}", row, column, seed, raw, metric="best"))
+    return cells
+
+
+TABLES: dict[str, Table] = {
+    "fedhe": Table(
+        "FedHe (paper 002): ten heterogeneous CNNs, FedHe against private training",
+        "the authors' split (contiguous tenths), one client per iteration, 3 batches of 50, Adam 1e-3, alpha 1 (MSE); "
+        "paper rows are MNIST, ours Fashion-MNIST (no MNIST copy here)",
+        {("FedHe", "contiguous"): 98.5, ("Private", "contiguous"): 98.0}, "paper Table II, MNIST", _fedhe, ["contiguous"]),
+    "fedin": Table(
+        "FedIN (paper 001) Table 1: 100 devices, ResNet10/14/18/22/26, 500 rounds, 5 local epochs",
+        "Fashion-MNIST, IID and Dirichlet(0.5); FedAvg with the same layer-wise aggregation, no IN, no prox",
+        {("FedIN", "iid"): 91.2, ("FedIN", "dirichlet"): 90.3, ("FedAvg", "iid"): 90.3, ("FedAvg", "dirichlet"): 89.4},
+        "paper Table 1, Fashion-MNIST", _fedin, ["iid", "dirichlet"]),
+    "felo-velo": Table(
+        "Felo and Velo (paper 000) against FedAvg-groups: 20 devices, five ResNet depths, 20 % a round",
+        "Fashion-MNIST here; the paper's rows are CIFAR-10 (not on this machine)",
+        {("Velo", "iid"): 76.33, ("Felo", "iid"): 76.10, ("Velo", "dirichlet"): 57.17, ("Felo", "dirichlet"): 56.88},
+        "paper Table 1, CIFAR-10", _felo_velo, ["iid", "dirichlet"]),
+    "fedmho": Table(
+        "FedMHO (paper 003) Table IV: one round, 5 VGG-9 + 5 CVAE-small clients",
+        "Fashion-MNIST, Dirichlet 0.5 / 0.3 / 0.1; FedAvg = the average of the VGG-9 clients FedMHO fuses from",
+        {(r, f"Dir {a}"): v for r, vals in {"FedAvg": (60.24, 47.36, 30.37), "FEDCVAE": (69.11, 68.39, 64.01),
+                                            "FedMHO": (75.30, 72.36, 62.14), "FedMHO-MD": (77.27, 75.69, 71.04),
+                                            "FedMHO-SD": (77.73, 76.45, 69.65)}.items() for a, v in zip((0.5, 0.3, 0.1), vals)},
+        "paper Table IV, Fashion-MNIST", _fedmho, ["Dir 0.5", "Dir 0.3", "Dir 0.1"]),
+    "chfl": Table(
+        "CHFL (paper 004) Table 1, BCD: 8 devices, each its own 30 % of the features and its own random MLP",
+        "breast cancer (scikit-learn's copy of BCD), best accuracy over 60 epochs as the paper reports it",
+        {("CHFL", "iid"): 89.88, ("SOLO", "iid"): 81.85, ("AVG", "iid"): 82.65,
+         ("CHFL", "non-iid"): 90.66, ("SOLO", "non-iid"): 71.40, ("AVG", "non-iid"): 78.56},
+        "paper Table 1, BCD", _chfl, ["iid", "non-iid"]),
+}
+
+
+# --- running -------------------------------------------------------------------------------------------------
+def _summary(run: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _finished(run: Path) -> bool:
+    s = _summary(run)
+    return bool(s) and not s.get("interrupted") and s.get("rounds_played") == s.get("rounds")
+
+
+def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
+    """``edgefl simulate`` for one cell: skipped when finished, resumed when a checkpoint is there."""
+    run = out / cell.key
+    config = apply_overrides(dict(cell.config, device=device), overrides)
+    if _finished(run):
+        print(f"{cell.key}: finished earlier ({run})", flush=True)
+        return 0
+    cfg_path = out / "configs" / f"{cell.key}.toml"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(tomli_w.dumps(config))
+    cmd = [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
+    if (run / "server-state.safetensors").is_file():
+        cmd.append("--resume")
+        print(f"{cell.key}: resuming its checkpoint in {run}", flush=True)
+    elif run.exists():
+        # stopped before its first checkpoint: nothing to go on from (its config and records are in the folder)
+        print(f"{cell.key}: {run} has no checkpoint yet: starting it again", flush=True)
+        shutil.rmtree(run)
+    else:
+        print(f"{cell.key}: starting ({cell.row}, {cell.column}, seed {cell.seed})", flush=True)
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+def _accuracy(summary: dict[str, Any], metric: str) -> float | None:
+    if metric == "best":
+        return summary.get("best_overall_accuracy")
+    final = summary.get("final_accuracy") or {}
+    return final.get("overall")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str) -> dict[str, Any]:
+    got: dict[tuple[str, str], list[float]] = {}
+    done: list[dict[str, Any]] = []
+    for cell in cells:
+        s = _summary(out / cell.key)
+        if not s or s.get("interrupted"):
+            continue
+        values = {cell.row: _accuracy(s, cell.metric), **(cell.extra(s) if cell.extra else {})}
+        for row, value in values.items():
+            if value is not None:
+                got.setdefault((row, cell.column), []).append(100 * value)
+        done.append({"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
+                     "accuracy": values, "run": str(out / cell.key), "compute_device": s.get("compute_device"),
+                     "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine")})
+    rows = list(dict.fromkeys([c.row for c in cells] + [r for r, _ in got] + [r for r, _ in table.paper]))
+    print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; paper: {table.paper_source}")
+    head = f"{'':14s}" + "".join(f" | {c:>22s}" for c in table.columns)
+    print(head + "\n" + "-" * len(head))
+    lines = []
+    for row in rows:
+        text = f"{row:14s}"
+        for column in table.columns:
+            mine, theirs = got.get((row, column), []), table.paper.get((row, column))
+            ours = (f"{statistics.fmean(mine):.2f}" + (f"+-{statistics.stdev(mine):.2f}" if len(mine) > 1 else "")) if mine else "not run"
+            text += f" | {ours:>10s} ({'-' if theirs is None else f'{theirs:.2f}':>6s})"
+            lines.append({"row": row, "column": column, "ours": mine, "ours_mean": statistics.fmean(mine) if mine else None,
+                          "paper": theirs})
+        print(text)
+    print("(ours, paper's in brackets; mean +- sd over seeds)")
+    payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
+               "device": device, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
+               "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    (out / "table.json").write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {out / 'table.json'}")
+    figure = plot(table, lines, out / "table.png", scale)
+    print(f"wrote {figure}")
+    return payload
+
+
+def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(dict.fromkeys(ln["row"] for ln in lines))
+    fig, axes = plt.subplots(1, len(table.columns), figsize=(3.2 * len(table.columns) + 1, 3.6), squeeze=False, sharey=True)
+    for ax, column in zip(axes[0], table.columns):
+        mine = [next((ln["ours_mean"] for ln in lines if ln["row"] == r and ln["column"] == column), None) for r in rows]
+        theirs = [table.paper.get((r, column)) for r in rows]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [v or 0 for v in mine], 0.4, label=f"edgefl ({scale})", color="C0")
+        ax.bar([x + 0.2 for x in xs], [v or 0 for v in theirs], 0.4, label=table.paper_source, color="C7")
+        ax.set_xticks(list(xs), rows, rotation=35, ha="right", fontsize=8)
+        ax.set_title(column, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(table.title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("table", nargs="?", choices=sorted(TABLES))
+    ap.add_argument("--scale", choices=("paper", "cpu"), default="cpu")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (CHFL's paper uses five: 0,1,2,3,4)")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/paper/<table>-<scale>")
+    ap.add_argument("--cells", default=None, help="run only these cells (keys as listed by --list)")
+    ap.add_argument("--report-only", action="store_true", help="no training: the table from the cells done so far")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="override a key of every cell's config, e.g. --set rounds=5 (a smoke run: use its own --out)")
+    ap.add_argument("--list", action="store_true", help="the tables, their cells and the paper's rows")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.list or args.table is None:
+        for name, table in TABLES.items():
+            print(f"{name}: {table.title}\n  {table.note}\n  cells: {', '.join(c.key for s in seeds for c in table.cells(args.scale, s))}")
+        return
+    table = TABLES[args.table]
+    cells = [c for s in seeds for c in table.cells(args.scale, s)]
+    if args.cells:
+        wanted = set(args.cells.split(","))
+        unknown = wanted - {c.key for c in cells}
+        if unknown:
+            raise SystemExit(f"no cells {sorted(unknown)} in {args.table}: it has {', '.join(c.key for c in cells)}")
+        cells = [c for c in cells if c.key in wanted]
+    out = args.out or RESULTS / "paper" / f"{args.table}-{args.scale}"
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    if not args.report_only:
+        for i, cell in enumerate(cells, 1):
+            print(f"[{i}/{len(cells)}] {cell.key}", flush=True)
+            code = run_cell(cell, out, args.device, args.overrides)
+            if code == 130:
+                print(f"stopped during {cell.key}: the same command resumes it", flush=True)
+                report(args.table, table, cells, out, args.scale, args.device)
+                raise SystemExit(130)
+            if code != 0:
+                failed.append((cell.key, code))
+    report(args.table, table, cells, out, args.scale, args.device)
+    if failed:
+        raise SystemExit(f"cells that failed: {', '.join(f'{k} (exit {c})' for k, c in failed)}; their run directories say why")
+
+
+if __name__ == "__main__":
+    main()
