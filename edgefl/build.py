@@ -26,7 +26,7 @@ from edgefl.errors import ConfigError
 from edgefl.methods import get_method
 from edgefl.models import build_model, example_inputs
 from edgefl.profile.schema import DeviceProfile
-from edgefl.seeding import derive_seed
+from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed
 from edgefl.transport.topics import device_ids
 
 #: hidden sizes a ``hidden = "random"`` MLP draws from (CHFL's randomly generated client MLPs)
@@ -187,9 +187,9 @@ def check_models_fit(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]) -> No
         seen.add((slot.arch, shape))
         group_index = cfg.fleet.groups.index(slot.group)
         try:
-            model = build_model(slot.model, num_classes=ds.num_classes, input_shape=shape, **slot.model_options)
-            model.eval()
-            with torch.no_grad():
+            with GLOBAL_RNG_LOCK, torch.no_grad():  # building and probing draw from the global RNG (in-memory fleets: see seeding)
+                model = build_model(slot.model, num_classes=ds.num_classes, input_shape=shape, **slot.model_options)
+                model.eval()
                 model(*example_inputs(model, 2, shape, ds.num_classes))
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ConfigError(
@@ -242,6 +242,11 @@ def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:
 
 
 def build_client(cfg: RunConfig, ds: Dataset, slot: DeviceSlot) -> ClientHalf:
+    with GLOBAL_RNG_LOCK:  # initial weights (and CHFL's head) come from the global RNG, seeded here
+        return _build_client(cfg, ds, slot)
+
+
+def _build_client(cfg: RunConfig, ds: Dataset, slot: DeviceSlot) -> ClientHalf:
     method = get_method(cfg.method.name)
     torch.manual_seed(derive_seed(cfg.seed, "client-init", slot.client_id))
     model = build_model(slot.model, num_classes=ds.num_classes, input_shape=slot.input_shape(ds), **slot.model_options)

@@ -48,6 +48,7 @@ from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
 from edgefl.transport.signing import EVERYONE, Verifier
 from edgefl.transport.topics import is_safe_name
 from edgefl.safetext import printable
+from edgefl.seeding import GLOBAL_RNG_LOCK
 from edgefl.tensorchecks import bounded_problem, nonfinite_problem
 
 FILTER_STATE = "filter."  # prefix of the filters' tensors in a device's saved state
@@ -276,7 +277,8 @@ class DeviceLoop:
         downlink = self.downlink(env) if downlink is None else downlink
         before = self.client.carry_state()
         try:
-            message = self.client.fit(downlink, env.round)
+            with GLOBAL_RNG_LOCK:  # a round's dropout masks come from the global RNG, seeded as the training starts
+                message = self.client.fit(downlink, env.round)
             if message is None:  # a client half with nothing to share still reports that it trained
                 message = self.client.reply("status", env.round, {})
             problem = nonfinite_problem(self.client.model.state_dict(), "the model after training") \

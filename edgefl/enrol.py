@@ -22,7 +22,7 @@ import torch
 from edgefl.algorithms import ClientHalf, ClientSetup
 from edgefl.errors import DataError, EdgeflError, PayloadError
 from edgefl.messages import DEFAULT_MAX_BYTES
-from edgefl.seeding import derive_seed
+from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed
 from edgefl.task import Task, parse_task
 from edgefl.transport.base import DeviceTransport
 from edgefl.transport.envelope import Envelope, pack, unpack
@@ -145,8 +145,9 @@ def build_client_from_task(task: Task, x: torch.Tensor, y: torch.Tensor, x_val: 
     method = get_method(task.method.name)
     shape = tuple(task.data.input_shape)
     num_classes = len(task.data.class_names)
-    torch.manual_seed(derive_seed(task.seed, "client-init", task.device))
-    model = build_model(task.model.name, num_classes=num_classes, input_shape=shape, **task.model.options)
+    with GLOBAL_RNG_LOCK:
+        torch.manual_seed(derive_seed(task.seed, "client-init", task.device))
+        model = build_model(task.model.name, num_classes=num_classes, input_shape=shape, **task.model.options)
     device = resolve_device(task.compute)
     if device.type != "cpu":
         model.to(device)

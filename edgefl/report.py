@@ -49,7 +49,8 @@ def run_facts(run: RunDir) -> dict[str, Any]:
     name = str((cfg.get("method") or {}).get("name", "?"))
     part = data.get("partition", "dirichlet")
     partition = {"dirichlet": f"Dirichlet({data.get('alpha', 0.5):g})", "iid": "IID",
-                 "shards": f"{data.get('shards_per_client', 2)} label shards per device", "devices": "devices' own data", "contiguous": "contiguous parts"}.get(part, part)
+                 "shards": f"{data.get('shards_per_client', 2)} label shards per device", "devices": "devices' own data",
+                 "contiguous": "contiguous parts"}.get(part, part)
     devices = sum(int(g.get("count", 1)) for g in (cfg.get("fleet") or {}).get("groups", []))
     dataset = DATASET_NAMES.get(data.get("dataset", ""), data.get("idx_name") or data.get("dataset", "?"))
     return {"method": METHOD_NAMES.get(name, name), "method_id": name, "dataset": dataset, "partition": partition,

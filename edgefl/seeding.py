@@ -4,8 +4,14 @@ training does not depend on which other clients ran before it in the same proces
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import torch
+
+#: held while torch's global RNG is seeded and drawn from (a model's initial weights, a round's
+#: dropout masks): devices that are threads of one process (an in-memory fleet) would otherwise
+#: draw from it in turn and change each other's numbers
+GLOBAL_RNG_LOCK = threading.RLock()
 
 
 def derive_seed(seed: int, *parts: object) -> int:

@@ -40,6 +40,37 @@ def test_fedhe_rows_are_clipped_and_noised_with_the_upload_s_sensitivity_by_hand
     assert torch.equal(out.tensors["classes"], torch.tensor([0, 2]))
 
 
+def test_chfl_s_head_change_is_clipped_and_noised_by_hand():
+    f = LocalDP(LocalDPOptions(clip=1.0, noise_multiplier=0.5), side="device", seed=4, device="client-1")
+    down = {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}
+    f.download_in(Message("head", 3, "server", down, {}))
+    up = {"weight": torch.tensor([[3.0, 0.0], [0.0, 0.0]]), "bias": torch.tensor([0.0, 4.0])}  # change of norm 5
+    out = f.upload_out(Message("head", 3, "client-1", up, {"num_samples": 9}))
+    gen = torch.Generator().manual_seed(derive_seed(4, "local-dp", "client-1", 3))
+    # sorted names: bias then weight, one noise stream over the flattened change, sd z x 2 clip
+    flat = torch.tensor([0.0, 0.8, 0.6, 0.0, 0.0, 0.0], dtype=torch.float64)  # (bias, weight) scaled by 1/5
+    flat = flat + torch.randn(6, generator=gen, dtype=torch.float64) * 0.5 * 2 * 1.0
+    assert torch.allclose(out.tensors["bias"].double(), flat[:2].float().double(), atol=1e-6)
+    assert torch.allclose(out.tensors["weight"].double(), flat[2:].reshape(2, 2).float().double(), atol=1e-6)
+
+
+def test_felo_s_class_rows_are_clipped_over_feature_and_logits_together_by_hand():
+    from edgefl.filters.local_dp import KNOWLEDGE
+
+    f = LocalDP(LocalDPOptions(clip=2.0, noise_multiplier=0.25), side="device", seed=1, device="client-0")
+    feats = torch.tensor([[3.0, 0.0], [0.0, 0.5]])  # rows with the logits: norms 5 and 0.5
+    logits = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    weights = torch.ones(3)
+    out = f.upload_out(Message("class_features", 2, "client-0", {KNOWLEDGE + "features": feats, KNOWLEDGE + "logits": logits,
+                                                                  "w": weights}, {"num_samples": 5}))
+    rows = torch.tensor([[1.2, 0.0, 0.0, 1.6], [0.0, 0.5, 0.0, 0.0]], dtype=torch.float64)  # the first scaled to norm 2
+    gen = torch.Generator().manual_seed(derive_seed(1, "local-dp", "client-0", 2))
+    rows = rows + torch.randn((2, 4), generator=gen, dtype=torch.float64) * 0.25 * 2 * 2.0 * math.sqrt(2)
+    assert torch.allclose(out.tensors[KNOWLEDGE + "features"].double(), rows[:, :2].float().double(), atol=1e-6)
+    assert torch.allclose(out.tensors[KNOWLEDGE + "logits"].double(), rows[:, 2:].float().double(), atol=1e-6)
+    assert torch.equal(out.tensors["w"], weights)  # the weights are not local-dp's to noise
+
+
 @pytest.mark.parametrize("method", ["fedhe", "chfl", "felo", "velo"])
 def test_a_local_dp_run_records_each_device_s_epsilon_and_repeats_with_the_seed(method, tmp_path):
     from edgefl.sim import Simulation
@@ -92,7 +123,7 @@ def test_a_target_epsilon_derives_each_devices_noise_or_refuses_a_run_that_would
         _config("fedhe", {"clip": 1.0})
 
 
-def test_the_servers_accounting_survives_a_restart(tmp_path):
+def test_a_fleet_writes_the_simulations_records_and_the_servers_accounting_survives_a_restart(tmp_path):
     """A resumed server (edgefl server --resume) goes on counting each device's releases from the
     saved state instead of from zero; a state saved without them is refused."""
     from edgefl.fleet.launcher import run_fleet
@@ -104,6 +135,10 @@ def test_the_servers_accounting_survives_a_restart(tmp_path):
     run = RunDir.create(tmp_path / "fleet", cfg.name, cfg.seed)
     fleet = run_fleet(cfg, None, run, broker="memory://local-dp-resume", device_timeout_s=120)
     assert set(fleet["device_exit_codes"].values()) == {0}
+    from edgefl.sim import Simulation
+
+    Simulation(cfg, RunDir.create(tmp_path / "sim", cfg.name, cfg.seed), show_progress=False).run()
+    assert _records(tmp_path / "fleet") == _records(tmp_path / "sim")  # a local-DP fleet writes the simulation's records
     spent = _records(tmp_path / "fleet")[-1]["filters"]["local-dp"]
     restarted = RunSession(build_run(cfg), None, "local-dp-resume", runner="fleet", run_dir=run, deadline_s=60,
                            save_state_each_round=True)

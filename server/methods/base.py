@@ -22,7 +22,7 @@ from torch import nn
 from edgefl.algorithms.base import MethodOptions
 from edgefl.messages import Message
 from edgefl.models import build_model
-from edgefl.seeding import derive_seed
+from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,10 @@ class ServerHalf(ABC):
     def build_initial(self, arch: str) -> nn.Module:
         """The shared starting point of an architecture, the same for every client that runs it."""
         info = next(c for c in self.clients.values() if c.arch == arch)
-        torch.manual_seed(derive_seed(self.seed, "server-init", arch))
         shape = info.input_shape or self.input_shape
-        return build_model(info.model, num_classes=self.num_classes, input_shape=shape, **info.model_options)
+        with GLOBAL_RNG_LOCK:  # device threads of an in-memory fleet seed and draw from the same global RNG
+            torch.manual_seed(derive_seed(self.seed, "server-init", arch))
+            return build_model(info.model, num_classes=self.num_classes, input_shape=shape, **info.model_options)
 
     # --- the contract -------------------------------------------------------------------
     @abstractmethod

@@ -15,7 +15,7 @@ from torch import nn
 
 
 from edgefl.messages import Message
-from edgefl.seeding import derive_seed
+from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed
 from edgefl.server.methods.base import Receipt, ServerHalf
 from edgefl.server.methods.fedavg import weighted_average
 
@@ -23,8 +23,9 @@ from edgefl.server.methods.fedavg import weighted_average
 class CHFLServer(ServerHalf):
     def __init__(self, clients, options, **kw) -> None:
         super().__init__(clients, options, **kw)
-        torch.manual_seed(derive_seed(self.seed, "server-init", "chfl-head"))
-        head = nn.Linear(options.embedding_dim, self.num_classes)
+        with GLOBAL_RNG_LOCK:
+            torch.manual_seed(derive_seed(self.seed, "server-init", "chfl-head"))
+            head = nn.Linear(options.embedding_dim, self.num_classes)
         self.global_head = {k: v.detach().clone() for k, v in head.state_dict().items()}
         self.pending: dict[str, Message] = {}
 

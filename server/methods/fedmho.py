@@ -29,7 +29,7 @@ from edgefl.errors import ConfigError
 from edgefl.messages import Message
 from edgefl.models import get_spec
 from edgefl.models.cvae import CVAE
-from edgefl.seeding import derive_seed, generator
+from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed, generator
 from edgefl.server.methods.base import Receipt, ServerHalf
 from edgefl.server.methods.fedavg import weighted_average
 from edgefl.server.methods.fusion import mean_logits, pick_device, train_on_synthetic
@@ -256,10 +256,11 @@ class FedCVAEServer(_OneShotGenerativeServer):
             return {"fused": False, "failure": "no decoder reported: FedCVAE-Ens has nothing to generate from (see each device's receipt)"}
         x, y, record = self._synthesise(proportional_plan, round_no, device)
         self._keep_preview(x, y)
-        torch.manual_seed(derive_seed(self.seed, "server-init", self.global_arch))
-        model = self.build_global(self.global_arch)
-        stats = train_on_synthetic(model, x, y, None, 1.0, epochs=epochs, lr=lr,
-                                   batch_size=opts.global_batch, generator=generator(self.seed, "fusion-order", round_no), device=device)
+        with GLOBAL_RNG_LOCK:  # dropout in the global VGG-9's training draws from the global RNG too
+            torch.manual_seed(derive_seed(self.seed, "server-init", self.global_arch))
+            model = self.build_global(self.global_arch)
+            stats = train_on_synthetic(model, x, y, None, 1.0, epochs=epochs, lr=lr, batch_size=opts.global_batch,
+                                       generator=generator(self.seed, "fusion-order", round_no), device=device)
         self.global_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         self.pending = {}
         record.update(fused=True, device=str(device), global_arch=self.global_arch, kept=len(y), steps=stats.steps,

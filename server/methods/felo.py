@@ -27,7 +27,7 @@ import torch
 
 from edgefl.algorithms.felo import KNOWLEDGE
 from edgefl.messages import Message
-from edgefl.seeding import derive_seed, generator
+from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed, generator
 from edgefl.server.methods.base import Receipt, ServerHalf
 from edgefl.server.methods.fedavg import weighted_average
 from edgefl.compute import resolve_device
@@ -139,8 +139,9 @@ class FeloServer(ServerHalf):
 class VeloServer(FeloServer):
     def __init__(self, clients, options, **kw) -> None:
         super().__init__(clients, options, **kw)
-        torch.manual_seed(derive_seed(self.seed, "velo-cvae-init"))
-        self.cvae = FeatureCVAE(options.feature_dim, self.num_classes, options.latent_dim, options.hidden_dim)
+        with GLOBAL_RNG_LOCK:
+            torch.manual_seed(derive_seed(self.seed, "velo-cvae-init"))
+            self.cvae = FeatureCVAE(options.feature_dim, self.num_classes, options.latent_dim, options.hidden_dim)
         self.trained_rounds = 0
 
     def class_features(self, round_no: int, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -149,9 +150,10 @@ class VeloServer(FeloServer):
         if self.trained_rounds == 0 or round_no % opts.retrain_every == 0:
             s = torch.stack([i.feature for items in self.store for i in items])
             y = torch.tensor([c for c, items in enumerate(self.store) for _ in items])
-            torch.manual_seed(derive_seed(self.seed, "velo-cvae-train", round_no))  # the reparameterisation noise
-            info["cvae"] = train_feature_cvae(self.cvae, s, y, opts.cvae_epochs, opts.cvae_lr, generator(self.seed, "velo-order", round_no),
-                                              device=str(resolve_device(self.device)))
+            with GLOBAL_RNG_LOCK:
+                torch.manual_seed(derive_seed(self.seed, "velo-cvae-train", round_no))  # the reparameterisation noise
+                info["cvae"] = train_feature_cvae(self.cvae, s, y, opts.cvae_epochs, opts.cvae_lr,
+                                                  generator(self.seed, "velo-order", round_no), device=str(resolve_device(self.device)))
             self.trained_rounds += 1
         known = torch.nonzero(mask).flatten()
         synthetic = torch.zeros(self.num_classes, opts.synthetic_per_class, opts.feature_dim)
