@@ -88,7 +88,8 @@ def _why(exc: BaseException) -> str:
 def _reason_hint(reason: str) -> str:
     if "batch_norm" in reason:
         return ("batch norm in training mode (aten._native_batch_norm_legit_functional) is not an op ExecuTorch's training "
-                "path can lower; a variant with norm='group' or without batch norm may export")
+                "path can lower; the FedHe CNNs built with options norm = \"group\" export and train (the ResNets' "
+                "norm = \"group\" builds are not measured)")
     return "an op ExecuTorch's training path lacks"
 
 
@@ -181,11 +182,61 @@ class MaxPoolByAmax(nn.Module):
         return x.reshape(n, c, h // k, k, w // k, k).amax(dim=(3, 5))
 
 
+class AvgPoolByConv(nn.Module):
+    """An average pool (no padding, floor mode) as a depthwise convolution with constant weights
+    1 / (kh kw): ExecuTorch 1.5.1's portable library has no ``avg_pool2d_backward`` kernel (the
+    FedHe CNNs' stride-1 pools made their training programs fail with OperatorMissing), while the
+    convolution's backward is there. The same forward; the gradient is the pool's."""
+
+    def __init__(self, kernel: tuple[int, int], stride: tuple[int, int]) -> None:
+        super().__init__()
+        self.kernel, self.stride = kernel, stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = x.shape[1]
+        kh, kw = self.kernel
+        weight = torch.full((c, 1, kh, kw), 1.0 / (kh * kw), dtype=x.dtype, device=x.device)
+        return nn.functional.conv2d(x, weight, stride=self.stride, groups=c)
+
+
+class ZeroPadByCat(nn.Module):
+    """A zero padding (left, right, top, bottom >= 0) as concatenations with zeros: the backward of
+    ``constant_pad_nd`` is a pad with negative widths, which ExecuTorch 1.5.1's portable kernel
+    refuses (InvalidArgument, 0x12); a concatenation's backward is slicing."""
+
+    def __init__(self, padding: tuple[int, int, int, int]) -> None:
+        super().__init__()
+        self.left, self.right, self.top, self.bottom = padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        parts = [t for t in (x.new_zeros(n, c, h, self.left) if self.left else None, x,
+                             x.new_zeros(n, c, h, self.right) if self.right else None) if t is not None]
+        x = torch.cat(parts, dim=3) if len(parts) > 1 else x
+        w = x.shape[3]
+        parts = [t for t in (x.new_zeros(n, c, self.top, w) if self.top else None, x,
+                             x.new_zeros(n, c, self.bottom, w) if self.bottom else None) if t is not None]
+        return torch.cat(parts, dim=2) if len(parts) > 1 else x
+
+
+def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
 def _rewrite_pools(net: nn.Module) -> list[str]:
-    """Swap the max pools :class:`MaxPoolByAmax` can stand for; returns their names."""
+    """Swap the pools and paddings :class:`MaxPoolByAmax`, :class:`AvgPoolByConv` and
+    :class:`ZeroPadByCat` can stand for; returns their names."""
     done = []
     for name, mod in list(net.named_modules()):
-        if isinstance(mod, nn.MaxPool2d):
+        if isinstance(mod, nn.AvgPool2d) and _pair(mod.padding) == (0, 0) and not mod.ceil_mode and mod.divisor_override is None:
+            parent = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
+            setattr(parent, name.rpartition(".")[2], AvgPoolByConv(_pair(mod.kernel_size), _pair(mod.stride or mod.kernel_size)))
+            done.append(name)
+        elif isinstance(mod, nn.ZeroPad2d) and all(p >= 0 for p in mod.padding):
+            parent = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
+            setattr(parent, name.rpartition(".")[2], ZeroPadByCat(tuple(mod.padding)))
+            done.append(name)
+        elif isinstance(mod, nn.MaxPool2d):
             k, s = mod.kernel_size, mod.stride
             k = k if isinstance(k, int) else (k[0] if k[0] == k[1] else None)
             s = s if isinstance(s, int) else (s[0] if s[0] == s[1] else None)
@@ -222,6 +273,20 @@ class RuntimeTrainer:
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {k: v.detach().clone().numpy() for k, v in self.module.named_parameters().items()}
+
+
+def without_dropout(net: nn.Module) -> nn.Module | None:
+    """A copy of ``net`` whose dropout layers drop nothing, or None when it has none: a step with
+    dropout cannot match PyTorch's (the runtime draws its own masks), so the gradients are checked on
+    this twin's program and the model's own program is checked to run."""
+    drops = [m for m in net.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    if not drops:
+        return None
+    twin = _copy(net)
+    for m in twin.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    return twin
 
 
 def step_parity(net: nn.Module, buffer: bytes, x: torch.Tensor, y: torch.Tensor, lr: float, momentum: float,

@@ -150,3 +150,20 @@ def test_fedhes_program_matches_fedhes_loss_in_pytorch(cancer):
     for p in prog.parameters:
         np.testing.assert_allclose(tm.named_parameters()[p["program_name"]].numpy(), want[p["state_dict_name"]].numpy(),
                                    rtol=RTOL, atol=ATOL, err_msg=p["state_dict_name"])
+
+
+def test_fedhes_own_cnns_built_with_group_norm_export_and_train(fmnist, tmp_path):
+    """A FedHe CNN (norm = "group": no batch norm) exports once its padding and stride-1 average
+    pools are rewritten for the runtime's kernels; with dropout the runtime draws its own masks, so
+    the gradients are checked on a dropout-free twin, both for the plain and the FedHe program."""
+    torch.manual_seed(0)
+    net = build_model("fedhe-cnn-0", num_classes=10, input_shape=(1, 28, 28), norm="group", width=0.25)
+    src = from_module(net, "fedhe-cnn-0", 10, (1, 28, 28), norm="group", width=0.25)
+    src.dataset = fmnist.name
+    files = export_model(src, tmp_path, formats=("executorch-train",), dataset=fmnist, test_samples=64, latency_runs=0)
+    assert sorted(f.path.name for f in files) == ["fedhe-cnn-0.fedhe.train.pte", "fedhe-cnn-0.pte", "fedhe-cnn-0.train.pte"]
+    for name in ("fedhe-cnn-0.train.pte", "fedhe-cnn-0.fedhe.train.pte"):
+        meta = read_sidecar(tmp_path / name)
+        assert meta["step_parity"]["ok"] and meta["step_parity"]["checked_without_dropout"], meta["step_parity"]
+        why = meta["rewritten_for_training"]
+        assert any("average pool" in w for w in why.values()) and any("zero padding" in w for w in why.values()), why
