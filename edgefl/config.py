@@ -88,7 +88,11 @@ class TrainSettings(Strict):
 
     epochs: Whole = Field(1, ge=1, description="local epochs per round")
     batch_size: Whole = Field(50, ge=1, description="local mini-batch size")
-    optimizer: Literal["adam", "sgd"] = Field("adam", description="a new optimizer each round (as the papers' code)")
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="the local optimizer")
+    optimizer_state: Literal["per_round", "kept"] = Field(
+        "per_round", description="per_round: a new optimizer every round (its moments start from zero); kept: each device keeps one "
+                                 "optimizer, moments and step count, for the whole run, as the FedHe authors' code does (saved "
+                                 "with the device's state)")
     lr: float = Field(1e-3, gt=0, description="learning rate")
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty of the optimizer")

@@ -108,3 +108,30 @@ def test_what_cannot_be_resumed_is_refused_with_the_reason(tmp_path):
     cfg = _config("fedavg")
     with pytest.raises(ConfigError, match="nothing to resume"):
         Simulation(cfg, RunDir.create(tmp_path / "empty", cfg.name, cfg.seed), show_progress=False).resume()
+
+
+def test_a_kept_optimizer_goes_on_across_rounds_and_survives_a_resume(tmp_path):
+    """train.optimizer_state = "kept" (the FedHe authors' code): one Adam per device for the whole
+    run; its moments and step count are part of the device's state, so a stopped run resumes with
+    the numbers of an uninterrupted one, and they differ from a run with a new optimizer each round."""
+    raw = method_config("fedhe", rounds=4)
+    raw["threads"] = 1
+    raw["train"]["optimizer_state"] = "kept"
+    raw.setdefault("simulation", {})["checkpoint_every"] = 2
+    kept = RunConfig.model_validate(raw)
+    whole = RunDir.create(tmp_path / "whole", kept.name, kept.seed)
+    sim = Simulation(kept, whole, show_progress=False)
+    sim.run()
+    adam = sim.clients["client-0"].kept_optimizer()
+    assert int(adam.state_dict()["state"][0]["step"]) > sim.clients["client-0"].last_train_samples // raw["train"]["batch_size"]
+    stopped = RunDir.create(tmp_path / "stopped", kept.name, kept.seed)
+    played: list[int] = []
+    Simulation(kept, stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 3)
+    again = Simulation(kept, RunDir(stopped.path), show_progress=False)
+    assert again.resume() == 4
+    again.run()
+    assert _records(stopped.path) == _records(whole.path)
+    raw["train"]["optimizer_state"] = "per_round"
+    fresh = RunDir.create(tmp_path / "fresh", kept.name, kept.seed)
+    Simulation(RunConfig.model_validate(raw), fresh, show_progress=False).run()
+    assert _records(fresh.path)[-1]["train_loss"] != _records(whole.path)[-1]["train_loss"]

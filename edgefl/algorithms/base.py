@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from edgefl.algorithms.batched import BatchPlan
-from edgefl.algorithms.training import DPNoise, TrainStats, evaluate_accuracy, train_local
+from edgefl.algorithms.training import DPNoise, TrainStats, evaluate_accuracy, make_optimizer, train_local
 from edgefl.config import TrainSettings
 from edgefl.data.views import View
 from edgefl.errors import ConfigError
@@ -25,6 +25,8 @@ from edgefl.seeding import derive_seed, generator
 from edgefl.tensorchecks import layout_problem, state_layout
 
 
+#: the carried-state entries of a kept optimizer's state: ``optimizer.<param index>.<key>``
+OPTIMIZER_STATE = "optimizer."
 #: the carried-state entry holding a device's DP-SGD steps so far (:meth:`ClientHalf.carry_state`)
 DP_SGD_STEPS = "dp_sgd.steps"
 
@@ -83,6 +85,8 @@ class ClientHalf(ABC):
         self.last_train_loss: float | None = None
         self.last_train_samples = 0  # samples processed in the last fit (the virtual clock's input)
         self.dp_sgd_steps = 0  # DP-SGD steps taken over the run (what the device's epsilon counts)
+        self._optimizer: torch.optim.Optimizer | None = None  # train.optimizer_state = "kept"
+        self._optimizer_saved: dict[str, Any] | None = None  # its state restored from a saved device, until first used
         self._dp_sgd = None
         if setup.train.dp_sgd is not None:
             self._refuse_dp_sgd_misfits()
@@ -167,6 +171,8 @@ class ClientHalf(ABC):
             from edgefl.privacy.dp_sgd import noise_generator
 
             hooks["dp"] = DPNoise(dp.noise_multiplier, noise_generator(self.setup.seed, self.client_id, round_no, self.device))
+        if self.setup.train.optimizer_state == "kept" and dp is None:
+            hooks["optimizer"] = self.kept_optimizer()
         stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, loss_fn, **hooks)
         if dp is not None:
             self.dp_sgd_steps += stats.steps
@@ -189,10 +195,26 @@ class ClientHalf(ABC):
         copies = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
         return Message(kind, round_no, self.client_id, copies, {**self.base_meta(round_no), **meta})
 
+    def kept_optimizer(self) -> torch.optim.Optimizer:
+        """The one optimizer of ``train.optimizer_state = "kept"``: made on first use over the
+        model's parameters (downloads load into the same tensors, so it follows them)."""
+        if self._optimizer is None:
+            self._optimizer = make_optimizer(self.model.parameters(), self.setup.train)
+            if self._optimizer_saved is not None:  # restored from the device's state before the first training
+                self._optimizer.load_state_dict(self._optimizer_saved)
+                self._optimizer_saved = None
+        return self._optimizer
+
     def carry_state(self) -> dict[str, torch.Tensor]:
         """What this device must keep to continue after a crash: its model and :attr:`carried`,
         as flat named tensors (``model.*``, ``<attribute>`` or ``<attribute>.<key>``)."""
         out = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        optimizer = self._optimizer.state_dict() if self._optimizer is not None else self._optimizer_saved
+        if optimizer is not None:  # train.optimizer_state = "kept": its moments and step counts
+            for index, state in optimizer["state"].items():
+                for key, value in state.items():
+                    out[f"{OPTIMIZER_STATE}{index}.{key}"] = (value.detach().cpu().clone() if isinstance(value, torch.Tensor)
+                                                              else torch.tensor(float(value), dtype=torch.float64))
         if self.setup.train.dp_sgd is not None:  # the steps the device's epsilon counts survive a restart
             out[DP_SGD_STEPS] = torch.tensor([self.dp_sgd_steps], dtype=torch.int64)
         for attr in self.carried:
@@ -206,6 +228,14 @@ class ClientHalf(ABC):
     def load_carry_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`carry_state` returned (attributes it did not hold stay None)."""
         self.model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+        saved = [(k[len(OPTIMIZER_STATE):], v) for k, v in tensors.items() if k.startswith(OPTIMIZER_STATE)]
+        if saved and self.setup.train.optimizer_state == "kept":
+            template = make_optimizer(self.model.parameters(), self.setup.train).state_dict()
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for name, value in saved:
+                index, _, key = name.partition(".")
+                state.setdefault(int(index), {})[key] = self.on_device(value) if value.dim() else value
+            self._optimizer, self._optimizer_saved = None, {"state": state, "param_groups": template["param_groups"]}
         if DP_SGD_STEPS in tensors:
             self.dp_sgd_steps = int(tensors[DP_SGD_STEPS].reshape(-1)[0])
         for attr in self.carried:

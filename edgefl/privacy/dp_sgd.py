@@ -125,6 +125,9 @@ def run_refusal(cfg: RunConfig) -> tuple[str, str] | None:
         dp = cfg.train_for(group).dp_sgd
         if dp is None:
             continue
+        if cfg.train_for(group).optimizer_state == "kept":
+            return (f"fleet.groups.{i}: DP-SGD makes its own optimizer each round (Opacus' DPOptimizer), so it cannot keep one "
+                    "across rounds", 'set train.optimizer_state = "per_round" or drop train.dp_sgd')
         if dp.target_epsilon is not None and cfg.mode == "async":
             return (f"fleet.groups.{i}: target_epsilon needs the planned number of trainings of each device, which an "
                     'asynchronous run (mode = "async") does not fix',

@@ -52,6 +52,9 @@ class FitBatcher:
             if client.setup.train.dp_sgd is not None:
                 self._once("DP-SGD (train.dp_sgd) computes per-sample gradients one client at a time")
                 continue
+            if client.setup.train.optimizer_state == "kept":
+                self._once('train.optimizer_state = "kept": each device steps its own optimizer, one client at a time')
+                continue
             plan = client.batch_plan(loop.downlink(env), env.round)
             if plan is None:
                 self._once(f"{type(client).__name__} with these options has no batched form")
