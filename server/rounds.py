@@ -26,6 +26,7 @@ from edgefl.messages import Message
 from edgefl.seeding import derive_seed
 from edgefl.server.policy import AfterRecord, RoundPolicy
 from edgefl.server.endpoint import Exchange
+from edgefl.filters import Filter
 from edgefl.server.records import Tally, timing_fields
 from edgefl.server.rejections import Rejections
 from edgefl.stages import Stage, StageFailed
@@ -94,7 +95,7 @@ class SyncRounds(RoundPolicy):
     """Plays a config's rounds (see the module docstring). ``stages``: the exchanges every round
     runs besides training, in order (from the filters and the method)."""
 
-    def __init__(self, *args: Any, stages: list[Stage] | None = None, collectors: list[Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stages: list[Stage] | None = None, collectors: list[Filter] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stages = list(stages or [])
         #: server-side filters that may take uploads in place of the server half (secure

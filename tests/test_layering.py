@@ -24,9 +24,24 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except what sits under ``if TYPE_CHECKING:`` (imports for type hints
+    only, which never run and so cannot make an import cycle)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = child.test if isinstance(child, ast.If) else None
+            if test is not None and ast.unparse(test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
 def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the edgefl modules it imports anywhere in its body (each name resolved to the
-    longest module it names)."""
+    """module -> the edgefl modules it imports anywhere in its body, type-only imports aside
+    (each name resolved to the longest module it names)."""
     def resolve(name: str) -> str | None:
         while name and name not in modules:
             name = name.rpartition(".")[0]
@@ -35,7 +50,7 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
             names: list[str] = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -132,3 +147,9 @@ def test_no_module_calls_a_private_method_of_another_object_of_the_server():
 
 def test_the_walk_sees_a_cycle_when_there_is_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_type_only_imports_are_not_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\nimport c\n")
+    imported = {a.name for n in _runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported == {"b", "c"}

@@ -28,6 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from edgefl.messages import Message
+from edgefl.stages import Stage
 
 if TYPE_CHECKING:  # type hints only: filters stay importable on a device without the server
     from edgefl.methods import MethodSpec
@@ -106,7 +107,7 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         half). Raise :class:`~edgefl.errors.PayloadError` to refuse it."""
         return message
 
-    def server_stages(self) -> list[Any]:
+    def server_stages(self) -> list[Stage]:
         """The stages this filter adds to every round (:class:`edgefl.stages.Stage`)."""
         return []
 

@@ -22,6 +22,7 @@ from torch import nn
 from edgefl.algorithms.base import MethodOptions
 from edgefl.messages import Message
 from edgefl.models import build_model
+from edgefl.stages import Stage
 from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed
 
 
@@ -175,7 +176,7 @@ class ServerHalf(ABC):
         model, options, shape = self.global_spec(arch)
         return build_model(model, num_classes=self.num_classes, input_shape=shape, **options)
 
-    def stages(self) -> list[Any]:
+    def stages(self) -> list[Stage]:
         """Exchanges this method runs in every round besides training
         (:class:`edgefl.stages.Stage`; the client half answers them in ``answer_stage``)."""
         return []
