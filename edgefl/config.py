@@ -101,11 +101,14 @@ class TrainSettings(Strict):
 
     @model_serializer(mode="wrap")
     def _without_plain_dp_sgd(self, handler) -> dict[str, Any]:
-        # plain training writes no dp_sgd key: run.json, tasks and the protocol's examples stay as they were,
-        # and a device whose edgefl predates DP-SGD still takes the task
+        # plain training writes no dp_sgd key (and a new optimizer each round no optimizer_state key): run.json,
+        # tasks, the protocol's examples and saved runs' config digests stay as they were, and a device whose
+        # edgefl predates them still takes the task
         out = handler(self)
         if isinstance(out, dict) and out.get("dp_sgd", 0) is None:
             del out["dp_sgd"]
+        if isinstance(out, dict) and out.get("optimizer_state") == "per_round":
+            del out["optimizer_state"]
         return out
 
 
