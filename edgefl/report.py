@@ -406,15 +406,21 @@ def stage_drops(record: dict[str, Any]) -> dict[str, list[str]]:
             if isinstance(facts, dict) and facts.get("dropped")}
 
 
+def privacy_sources(record: dict[str, Any]) -> dict[str, Any]:
+    """A record's privacy facts by name: its filters' (``filters.<name>``) and DP-SGD's (``dp_sgd``,
+    from the devices' uploads: server.records.DPSGDLedger, as ``dp-sgd``)."""
+    sources = dict(record.get("filters") or {})
+    if isinstance(record.get("dp_sgd"), dict):
+        sources["dp-sgd"] = record["dp_sgd"]
+    return sources
+
+
 def privacy_spent(record: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """The epsilon each differential-privacy filter reports after this round, with its delta
     (``filters.<name>.epsilon``, or ``epsilon_max`` over devices for local DP), and DP-SGD's
     largest device epsilon so far (``dp_sgd``, as ``dp-sgd``)."""
     out = {}
-    sources = dict(record.get("filters") or {})
-    if isinstance(record.get("dp_sgd"), dict):  # DP-SGD on the devices, from their uploads (server.records.DPSGDLedger)
-        sources["dp-sgd"] = record["dp_sgd"]
-    for name, facts in sources.items():
+    for name, facts in privacy_sources(record).items():
         if not isinstance(facts, dict):
             continue
         epsilon = facts.get("epsilon", facts.get("epsilon_max"))

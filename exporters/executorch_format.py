@@ -38,11 +38,8 @@ class ExecutorchTrainFormat(ExportFormat):
         from edgefl.exporters.export import layout_of
         from edgefl.exporters.executorch_train import (
             METHOD,
-            check_runs,
             export_inference_program,
             export_training_program,
-            step_parity,
-            without_dropout,
         )
 
         src = job.src
@@ -59,15 +56,7 @@ class ExecutorchTrainFormat(ExportFormat):
         prog = export_training_program(job.module, x, y)
         train_path = folder / f"{src.name}.train.pte"
         train_path.write_bytes(prog.buffer)
-        check_runs(prog.buffer, x, y)
-        # with dropout the runtime draws its own masks: the gradients are checked on a dropout-free twin's program
-        twin = without_dropout(job.module)
-        checked = (twin, export_training_program(twin, x, y).buffer) if twin is not None else (job.module, prog.buffer)
-        parity = step_parity(checked[0], checked[1], x, y, self.lr, max(self.momentum, 0.9))
-        parity["checked_without_dropout"] = twin is not None
-        if not parity["ok"]:
-            raise ExportError(f"{train_path.name}: one SGD step in ExecuTorch's runtime differs from PyTorch's "
-                              f"(loss {parity['loss_max_abs_diff']:.2e}, weights {parity['weights_max_abs_diff']:.2e})")
+        parity = _checked(self.lr, max(self.momentum, 0.9), job.module, prog.buffer, x, y, train_path.name)
         train = ExportedFile(train_path, self.name, "float32", self.train_batch, extra={
             "program": "training", "method": METHOD,
             "inputs_spec": [{"name": "input", "shape": list(x.shape), "dtype": "float32", "layout": layout_of((x,), False)},
@@ -92,14 +81,7 @@ class ExecutorchTrainFormat(ExportFormat):
         teacher_table = torch.randn(c, c, generator=gen)
         has_class = (torch.arange(c) % 2 == 0).float()
         distill = (teacher_table[y], has_class[y], torch.tensor([0.7]))
-        check_runs(fedhe.buffer, x, y, *distill)
-        checked = ((twin, export_training_program(twin, x, y, distill=True, num_classes=c).buffer) if twin is not None
-                   else (job.module, fedhe.buffer))
-        fedhe_parity = step_parity(checked[0], checked[1], x, y, self.lr, max(self.momentum, 0.9), distill=distill)
-        fedhe_parity["checked_without_dropout"] = twin is not None
-        if not fedhe_parity["ok"]:
-            raise ExportError(f"{fedhe_path.name}: one SGD step in ExecuTorch's runtime differs from PyTorch's "
-                              f"(loss {fedhe_parity['loss_max_abs_diff']:.2e}, weights {fedhe_parity['weights_max_abs_diff']:.2e})")
+        fedhe_parity = _checked(self.lr, max(self.momentum, 0.9), job.module, fedhe.buffer, x, y, fedhe_path.name, distill)
         files.append(ExportedFile(fedhe_path, self.name, "float32", b, extra={
             **{k: v for k, v in train.extra.items() if k not in ("step_parity", "export_seconds")},
             "program": "training-fedhe",
@@ -130,6 +112,25 @@ def _why_rewritten(module) -> str:
     if isinstance(module, torch.nn.ZeroPad2d):
         return "zero padding as concatenations with zeros (ExecuTorch 1.5.1's pad kernel refuses the negative pad of its backward)"
     return "max pool as reshape + amax (ExecuTorch 1.5.1's max-pool backward kernel is wrong)"
+
+
+def _checked(lr: float, momentum: float, net, buffer: bytes, x, y, name: str, distill: tuple | None = None) -> dict:
+    """The program runs in the runtime, and two SGD steps match PyTorch's (an ExportError
+    otherwise). With dropout the runtime draws its own masks: the gradients are checked on a
+    dropout-free twin's program."""
+    from edgefl.exporters.executorch_train import check_runs, export_training_program, step_parity, without_dropout
+
+    check_runs(buffer, x, y, *(distill or ()))
+    twin = without_dropout(net)
+    if twin is not None:
+        buffer = export_training_program(twin, x, y, distill=distill is not None, num_classes=int(distill[0].shape[1])
+                                         if distill is not None else None).buffer
+    parity = step_parity(twin if twin is not None else net, buffer, x, y, lr, momentum, distill=distill)
+    parity["checked_without_dropout"] = twin is not None
+    if not parity["ok"]:
+        raise ExportError(f"{name}: one SGD step in ExecuTorch's runtime differs from PyTorch's "
+                          f"(loss {parity['loss_max_abs_diff']:.2e}, weights {parity['weights_max_abs_diff']:.2e})")
+    return parity
 
 
 def _runner(path: Path):

@@ -24,7 +24,7 @@ from edgefl.environment import machine, package_versions
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.methods import get_method
 from edgefl.models import get_spec
-from edgefl.report import draw_plots
+from edgefl.report import draw_plots, privacy_sources
 from edgefl.rundir import RunDir
 from edgefl.server.enrolment import Enrolment
 from edgefl.server.evaluation import Evaluator
@@ -302,9 +302,7 @@ class RunSession:
 def privacy_spent(history: list[dict[str, Any]]) -> dict[str, Any]:
     """What the run's differential-privacy filters report after its last round (the epsilon spent)."""
     for record in reversed(history):
-        facts = {name: f for name, f in (record.get("filters") or {}).items() if "epsilon" in f or "epsilon_max" in f}
-        if isinstance(record.get("dp_sgd"), dict):
-            facts["dp-sgd"] = record["dp_sgd"]
+        facts = {name: f for name, f in privacy_sources(record).items() if isinstance(f, dict) and ("epsilon" in f or "epsilon_max" in f)}
         if facts:
             return facts
     return {}

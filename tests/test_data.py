@@ -14,7 +14,7 @@ import pytest
 
 import torch
 
-from edgefl.data import class_counts, dirichlet, download_idx, iid, load_dataset, read_idx, shards, subsample, write_idx
+from edgefl.data import class_counts, contiguous, dirichlet, download_idx, iid, load_dataset, read_idx, shards, subsample, write_idx
 from edgefl.data.datasets import FILES, locate_idx_folder
 from edgefl.errors import ConfigError, DataError, EdgeflError
 
@@ -244,3 +244,12 @@ def test_a_device_can_keep_images_as_8_bit_pixels_with_identical_inputs():
     assert raw.x_train.dtype == torch.uint8 and raw.x_train.element_size() * 4 == flt.x_train.element_size()
     idx = torch.arange(0, 60000, 997)
     assert torch.equal(raw.model_input(raw.x_train[idx]), flt.x_train[idx])  # bit for bit: same training numbers
+
+
+def test_contiguous_parts_are_the_file_order_cut_in_equal_parts_and_too_many_devices_are_refused():
+    from edgefl.errors import ConfigError
+
+    parts = contiguous(np.zeros(10, dtype=np.int64), 3)
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    with pytest.raises(ConfigError, match="cannot each hold a part"):
+        contiguous(np.zeros(2, dtype=np.int64), 3)
