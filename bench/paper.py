@@ -277,7 +277,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str) -> dict[str, Any]:
+def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str]) -> dict[str, Any]:
     got: dict[tuple[str, str], list[float]] = {}
     done: list[dict[str, Any]] = []
     for cell in cells:
@@ -292,7 +292,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                      "accuracy": values, "run": str(out / cell.key), "compute_device": s.get("compute_device"),
                      "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine")})
     rows = list(dict.fromkeys([c.row for c in cells] + [r for r, _ in got] + [r for r, _ in table.paper]))
-    print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; paper: {table.paper_source}")
+    print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; the paper's numbers: {table.paper_source}")
+    if overrides:
+        print(f"overridden for every cell: {', '.join(overrides)} (not the table's setting: a smoke run, not a row to compare)")
     head = f"{'':14s}" + "".join(f" | {c:>22s}" for c in table.columns)
     print(head + "\n" + "-" * len(head))
     lines = []
@@ -307,7 +309,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
         print(text)
     print("(ours, paper's in brackets; mean +- sd over seeds)")
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
-               "device": device, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
+               "device": device, "overrides": overrides, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
                "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
     (out / "table.json").write_text(json.dumps(payload, indent=2, default=str))
@@ -351,7 +353,7 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="no training: the table from the cells done so far")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="override a key of every cell's config, e.g. --set rounds=5 (a smoke run: use its own --out)")
-    ap.add_argument("--list", action="store_true", help="the tables, their cells and the paper's rows")
+    ap.add_argument("--list", action="store_true", help="the tables, their settings and their cells")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.list or args.table is None:
@@ -367,6 +369,8 @@ def main() -> None:
             raise SystemExit(f"no cells {sorted(unknown)} in {args.table}: it has {', '.join(c.key for c in cells)}")
         cells = [c for c in cells if c.key in wanted]
     out = args.out or RESULTS / "paper" / f"{args.table}-{args.scale}"
+    if args.report_only and not out.is_dir():
+        raise SystemExit(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     if not args.report_only:
@@ -375,11 +379,11 @@ def main() -> None:
             code = run_cell(cell, out, args.device, args.overrides)
             if code == 130:
                 print(f"stopped during {cell.key}: the same command resumes it", flush=True)
-                report(args.table, table, cells, out, args.scale, args.device)
+                report(args.table, table, cells, out, args.scale, args.device, args.overrides)
                 raise SystemExit(130)
             if code != 0:
                 failed.append((cell.key, code))
-    report(args.table, table, cells, out, args.scale, args.device)
+    report(args.table, table, cells, out, args.scale, args.device, args.overrides)
     if failed:
         raise SystemExit(f"cells that failed: {', '.join(f'{k} (exit {c})' for k, c in failed)}; their run directories say why")
 

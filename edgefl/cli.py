@@ -110,6 +110,8 @@ def simulate(
     if resume:
         if out_dir is None:
             raise EdgeflError("--resume needs --out: the run directory of the stopped run")
+        if not out_dir.is_dir():
+            raise EdgeflError(f"{out_dir} does not exist", hint="pass the --out folder of the stopped run")
         if config is None:
             config = out_dir / "config.toml"
             if not config.is_file():

@@ -172,7 +172,8 @@ class RunSession:
                               hint="pass the --out folder of the interrupted run, or drop --resume")
         extra = load_state(self.server, self.run_dir.path / STATE_FILE)
         if extra.get("config_sha256") != config_digest(self.cfg):
-            raise ConfigError("the saved server state belongs to another config", hint="resume with the interrupted run's config.toml")
+            raise ConfigError(f"the saved server state belongs to another config{_config_changes(self.cfg, self.run_dir.path)}",
+                              hint="resume with the interrupted run's config.toml and no --set that changes it")
         done = int(extra["round"])
         metrics = self.run_dir.path / "metrics.jsonl"
         lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
@@ -297,6 +298,25 @@ class RunSession:
         if self.live is not None:
             self.live.finish(interrupted)
         return summary
+
+
+def _config_changes(cfg: RunConfig, run_dir: Path) -> str:
+    """``: rounds 3 -> 4, ...`` against the run directory's config.toml, when it can be read."""
+    from edgefl.configtools import tomllib
+
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): node}
+
+    try:
+        saved = flat(tomllib.loads((run_dir / "config.toml").read_text()))
+    except (OSError, ValueError):
+        return ""
+    now = flat(tomllib.loads(cfg.to_toml()))
+    changed = [f"{k} {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in sorted(set(saved) | set(now))
+               if saved.get(k) != now.get(k)]
+    return f": {', '.join(changed[:5])}" + (" ..." if len(changed) > 5 else "") if changed else ""
 
 
 def privacy_spent(history: list[dict[str, Any]]) -> dict[str, Any]:

@@ -135,3 +135,12 @@ def test_a_kept_optimizer_goes_on_across_rounds_and_survives_a_resume(tmp_path):
     fresh = RunDir.create(tmp_path / "fresh", kept.name, kept.seed)
     Simulation(RunConfig.model_validate(raw), fresh, show_progress=False).run()
     assert _records(fresh.path)[-1]["train_loss"] != _records(whole.path)[-1]["train_loss"]
+
+
+def test_a_changed_config_is_refused_naming_what_changed(tmp_path):
+    cfg = _config("fedavg", rounds=2, every=1)
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    Simulation(cfg, run, show_progress=False).run()
+    longer = _config("fedavg", rounds=3, every=1)
+    with pytest.raises(ConfigError, match="rounds 2 -> 3"):
+        Simulation(longer, RunDir(run.path), show_progress=False).resume()

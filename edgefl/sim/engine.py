@@ -110,6 +110,9 @@ class Simulation:
         if run_dir is not None and not self.hosts and cfg.mode == "sync":  # every device's state is here to save
             self.session.checkpoint_every = cfg.simulation.checkpoint_every
             self.session.save_devices = self._save_devices
+        elif run_dir is not None and cfg.simulation.checkpoint_every and cfg.mode == "sync":
+            log.warning("no checkpoints: the devices train in %d worker processes, whose states are not saved "
+                        "(simulation.workers = 1 checkpoints every %d rounds)", len(self.hosts), cfg.simulation.checkpoint_every)
         self._joined = False
         self._first_round = 1  # a resumed run goes on from its checkpoint (resume())
 
@@ -130,7 +133,8 @@ class Simulation:
         """Restore the run in the run directory from its last checkpoint (the server's state,
         the records so far, every device's state, the virtual clock); returns the next round."""
         if not self.session.checkpoint_every:
-            why = ("it spreads devices over worker processes, whose states are not saved" if self.hosts else
+            why = ("it spreads devices over worker processes, whose states are not saved (run it with --set simulation.workers=1 "
+                   "to checkpoint)" if self.hosts else
                    "it runs asynchronously (resume: not built)" if self.cfg.mode == "async" else "simulation.checkpoint_every is 0")
             raise ConfigError(f"this run cannot be resumed: {why}", hint="start it again")
         first = self.session.resume()
