@@ -135,8 +135,12 @@ def simulate(
     sim = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts)
     if resume:
         first = sim.resume()
-        err.print(f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1})" if first <= cfg.rounds
-                  else f"all {cfg.rounds} rounds were played: nothing left to resume, the results are written again")
+        if cfg.mode == "async":
+            err.print(f"resuming after server update {first - 1} of {cfg.rounds} (the checkpoint after record {len(sim.history)}; "
+                      "the updates since are played again, with the same numbers)")
+        else:
+            err.print(f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1})" if first <= cfg.rounds
+                      else f"all {cfg.rounds} rounds were played: nothing left to resume, the results are written again")
     try:
         with stop:
             summary = sim.run(should_stop=stop.requested)
@@ -146,7 +150,7 @@ def simulate(
         done = len(run.metrics()) if (run.path / "metrics.jsonl").is_file() else 0
         if done:
             out.print(accuracy_table(run))
-        again = (f"; continue it: edgefl simulate --resume --out {run.path}" if cfg.simulation.checkpoint_every and cfg.mode == "sync"
+        again = (f"; continue it: edgefl simulate --resume --out {run.path}" if cfg.simulation.checkpoint_every
                  and (run.path / "server-state.safetensors").is_file() else "")
         err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {done} of {cfg.rounds} rounds; models, summary and "
                   f"plots of what ran are in {run.path} (edgefl report {run.path}){again}")

@@ -371,9 +371,10 @@ class SimulationSettings(Strict):
     ray_gpus: float = Field(0.0, ge=0, le=64, description='backend = "ray": GPUs (a fraction shares one) each actor asks for')
     checkpoint_every: Whole = Field(
         10, ge=0, le=MAX_ROUNDS, description="save the server's state and every device's (their models and what their method and "
-                                             "filters carry) into the run directory every N rounds and when the run is stopped, so "
+                                             "filters carry) into the run directory every N rounds (asynchronous: every N records, "
+                                             "with the work and messages under way) and when the run is stopped, so "
                                              "`edgefl simulate --resume --out RUN_DIR` goes on with the numbers an uninterrupted run "
-                                             "gives; 0: never (synchronous runs with every device in this process)")
+                                             "gives; 0: never (runs with every device in this process)")
     baseline: Literal["none", "local"] = Field(
         "none", description='"local": after the run, train the Local-only baseline (method local: the same devices, data, seed and '
                             "training, nothing shared) into RUN_DIR/baseline and put it beside the method in the tables, "

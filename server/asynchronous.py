@@ -20,7 +20,8 @@ Server halves are not rewritten for this: the aggregator calls their synchronous
 one "round" per server update (``begin_round`` / ``receive`` / ``close_round``). What makes it
 asynchronous is what it feeds them: a report's shared weights (:meth:`ServerHalf.shared_weights`)
 are rebased onto the current ones as a discounted step, so averaging the buffered reports is
-FedBuff (Nguyen et al. 2022: ``w += lr * mean_i s(t_i) * delta_i``, sample-weighted here) and
+FedBuff (Nguyen et al. 2022: ``w += lr * mean_i s(t_i) * delta_i``, sample-weighted here; batch
+norms' running statistics move toward the reports' values instead, by ``min(1, lr * s(t))``) and
 a buffer of one with ``aggregation = "fedasync"`` is FedAsync (Xie et al. 2019:
 ``w = (1 - a_t) w + a_t w_i``, ``a_t = mixing * s(t)``), with ``s(t) = (1 + t) ** -exponent``.
 Knowledge (FedHe's logits, Felo's features, CHFL's head ...) is merged by the method itself,
@@ -48,6 +49,15 @@ from edgefl.server.policy import AfterRecord, RoundPolicy
 from edgefl.server.records import Tally, timing_fields
 from edgefl.server.rejections import Rejections
 from edgefl.transport.envelope import Envelope
+
+
+#: times in a row every device at work may go silent before an asynchronous run fails
+MAX_STALLS = 3
+
+
+def is_running_statistic(name: str) -> bool:
+    """A batch norm's running mean or variance (kept by the layer, not trained)."""
+    return name.rsplit(".", 1)[-1] in ("running_mean", "running_var")
 
 
 def staleness_discount(staleness: int, exponent: float) -> float:
@@ -115,6 +125,11 @@ class AsyncAggregator:
                 continue
             if fedasync:
                 step = self.settings.mixing * s * (mine.double() - current.double())
+            elif is_running_statistic(name):
+                # a norm layer's running mean / variance is a statistic, not a parameter: a step from
+                # a stale origin can drive a variance below zero (NaN at the next forward pass), so
+                # it moves toward the device's value by a convex share
+                step = min(1.0, self.settings.server_lr * s) * (mine.double() - current.double())
             else:
                 origin = began.get(name, current)
                 step = self.settings.server_lr * s * (mine.double() - origin.double())
@@ -132,6 +147,18 @@ class AsyncAggregator:
             if len(self.collecting) >= self.buffer_size:
                 self.update()
         return receipt
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the aggregator (taken with an empty buffer: see
+        :meth:`AsyncUpdates.quiescent`); the server half is saved by itself."""
+        return {"version": self.version, "last_facts": self.last_facts, "starts": self._starts, "users": self._users}
+
+    def load(self, saved: dict[str, Any]) -> None:
+        self.version = int(saved["version"])
+        self.last_facts = dict(saved["last_facts"])
+        self._starts = dict(saved["starts"])
+        self._users = Counter(saved["users"])
+        self.collecting = set()
 
     def update(self) -> None:
         """One server update: the method aggregates or merges what the buffer holds."""
@@ -160,6 +187,7 @@ class Window:
     staleness: list[int] = field(default_factory=list)
     refused_stale: int = 0
     updates_from: int = 0
+    silent: list[str] = field(default_factory=list)  # devices whose work was given up (see AsyncUpdates.give_up_silent)
 
 
 class AsyncUpdates(RoundPolicy):
@@ -180,6 +208,18 @@ class AsyncUpdates(RoundPolicy):
         self.stopping = False
         self.started = 0.0
         self._dirty = True  # something may have freed a device: look for work to hand out
+        # where play() stands: the next record by updates / by clock, the update last recorded
+        self.next_version = self.cfg.eval.every
+        self.next_time = self.settings.eval_every_s if self.settings.eval_every_s is not None else math.inf
+        self.recorded = -1
+        #: called with no argument to save a checkpoint (set by the run's session); taken every
+        #: ``checkpoint_every`` records, at the first moment no report waits in the buffer
+        self.checkpoint: Callable[[], None] | None = None
+        self.checkpoint_every = 0
+        self._checkpoint_due = False
+        self._resumed = False
+        self.stalls = 0  # times in a row every device at work went silent (see give_up_silent)
+        self.failure: str | None = None  # why the run could not go on (its last record fails)
 
     @property
     def version(self) -> int:
@@ -290,6 +330,7 @@ class AsyncUpdates(RoundPolicy):
             w.tally.late.append(device)
             return
         w.staleness.append(staleness)
+        self.stalls = 0
         w.tally.upload(device, env, message, size, accepted=True)
         self.on_event("update", {"device": device, "version": self.version, "staleness": staleness})
 
@@ -323,6 +364,7 @@ class AsyncUpdates(RoundPolicy):
             "reports_by_profile": dict(sorted(by_profile.items())),
             "staleness": {"mean": round(statistics.fmean(w.staleness), 3), "max": max(w.staleness)} if w.staleness else None,
             "refused_stale": w.refused_stale,
+            **({"silent": sorted(set(w.silent))} if w.silent else {}),
             "selected": [],
             "reported": sorted(accepted),
             "missing": [],
@@ -332,6 +374,8 @@ class AsyncUpdates(RoundPolicy):
             "server": self.aggregator.last_facts,
             **timing_fields(train_s, eval_s, train_s + eval_s),
         }
+        if self.failure is not None:
+            record.update(outcome="failed", failure=self.failure)
         self.window = Window(updates_from=version)
         self.asked = set()
         self._dirty = True
@@ -347,55 +391,131 @@ class AsyncUpdates(RoundPolicy):
         for device, accuracy in self.ask_devices(self.version, idle, with_model=False).items():
             self.evaluator.device_reported(device, accuracy)
 
+    # --- checkpoints ----------------------------------------------------------------------------
+    def quiescent(self) -> bool:
+        """Nothing half-done on the server's side: no report waiting in the buffer, no upload half
+        reassembled, no evaluation being collected. A checkpoint is taken only then, so what it
+        holds is the server half's state between updates and the tickets of the work out."""
+        ep = self.endpoint
+        return not self.aggregator.collecting and not ep.reassembler.partial and ep.exchange is None
+
+    def state(self) -> dict[str, Any]:
+        """What the run carries between updates besides the server half: the work handed out
+        (each ticket's download, sent again to a device that comes back), the answers kept for
+        resends, the open record's tally, the draws' counter and where play() stands."""
+        return {"aggregator": self.aggregator.state(), "tickets": self.tickets, "answered": self.answered,
+                "counter": self.counter, "window": self.window, "asked": self.asked, "started": self.started,
+                "elapsed": self.elapsed(), "virtual": bool(self.clock.virtual), "dirty": self._dirty,
+                "next_version": self.next_version, "next_time": self.next_time, "recorded": self.recorded,
+                "last_round": self.last_round}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Go on from :meth:`state` (the server half already loaded). On a virtual clock (restored
+        with the devices) the start is the saved one; on a wall clock the run's elapsed time goes
+        on from where it stopped."""
+        self.aggregator.load(saved["aggregator"])
+        self.tickets = dict(saved["tickets"])
+        self.answered = {d: deque(q, maxlen=4) for d, q in saved["answered"].items()}
+        self.counter = int(saved["counter"])
+        self.window = saved["window"]
+        self.window.tally.wall0 = time.perf_counter()  # a time of the process that saved it
+        self.asked = set(saved["asked"])
+        virtual = bool(self.clock.virtual) and saved["virtual"]
+        self.started = float(saved["started"]) if virtual else self.clock.now() - float(saved["elapsed"])
+        shift = 0.0 if virtual else self.started - float(saved["started"])
+        self._dirty = bool(saved["dirty"])
+        self.next_version = int(saved["next_version"])
+        self.next_time = float(saved["next_time"]) + shift
+        self.recorded = int(saved["recorded"])
+        self.last_round = int(saved["last_round"])
+        for ticket in self.tickets.values():
+            ticket.sent += shift
+        self.endpoint.model_version = self.version
+        self._resumed = True
+
+    def give_up_silent(self) -> bool:
+        """On a virtual clock with nothing left on its way, the devices holding work will never
+        report: each refused its download (a model that turned non-finite in training is
+        restored and the download refused; the device's log says why) and said nothing, as a
+        real device does. Their work is given up and they get new downloads; after
+        :data:`MAX_STALLS` such times in a row with no report accepted, the run cannot go on
+        and fails with the reason (instead of waiting forever). False then."""
+        silent = sorted(self.tickets)
+        for device in silent:
+            self._end_ticket(device)
+        self.window.silent.extend(silent)
+        self.on_event("silent", {"devices": silent, "version": self.version})
+        self.stalls += 1
+        if self.stalls < MAX_STALLS:
+            return True
+        shown = ", ".join(silent[:5]) + (f" and {len(silent) - 5} more" if len(silent) > 5 else "")
+        self.failure = (f"no report can arrive: every device given work refused its download or said nothing, {MAX_STALLS} "
+                        f"times in a row ({shown}); the devices' logs say why (a model that turned non-finite in training "
+                        f"refuses the download)")
+        return False
+
+    def _maybe_checkpoint(self) -> None:
+        if self._checkpoint_due and self.checkpoint is not None and self.quiescent():
+            self._checkpoint_due = False
+            self.checkpoint()
+
     # --- the whole run --------------------------------------------------------------------------
     def play(self, first_round: int, after_record: AfterRecord | None, should_stop: Callable[[], bool]) -> bool:
         """Play until ``rounds`` updates or the time budget; True when it ran to its end (False:
-        stopped by ``should_stop``). ``first_round`` is 1: an asynchronous run is not resumed."""
+        stopped by ``should_stop``). A restored run (:meth:`restore`) goes on from the top of the
+        loop where its checkpoint was taken; ``first_round`` is not used."""
         cfg, settings, ep = self.cfg, self.settings, self.endpoint
-        self.started = self.clock.now()
         budget = settings.time_budget_s
         every_s = settings.eval_every_s
-        next_version = cfg.eval.every
-        next_time = every_s if every_s is not None else math.inf
-        recorded = -1
         finished = True
 
         def emit() -> None:
-            nonlocal recorded
             record = self.record()
-            recorded = record["round"]
+            self.recorded = record["round"]
             self.history.append(record)
             self.on_event("closed", record)
             if after_record is not None:
                 after_record(record)
+            if self.checkpoint_every and len(self.history) % self.checkpoint_every == 0:
+                self._checkpoint_due = True
 
-        self.fill()
+        if not self._resumed:
+            self.started = self.clock.now()
+            self.fill()
         while self.version < cfg.rounds:
+            self._maybe_checkpoint()
             elapsed = self.elapsed()
             if budget is not None and elapsed >= budget:
                 break
             if should_stop():
                 self.on_event("stopped", {"after_round": self.version})
+                if self.checkpoint is not None and self.quiescent():
+                    self.checkpoint()  # resumable from here; else from the last checkpoint
                 finished = False
                 break
             if self.clock.virtual and not self.tickets and not any(ep.is_online(d) for d in ep.device_ids):
                 self.on_event("all_offline", {"round": self.version})
                 break
+            if self.clock.virtual and self.tickets and self.clock.idle():
+                if not self.give_up_silent():
+                    break
+                self.fill()
+                continue
             wait = 1.0 if budget is None else min(1.0, budget - elapsed)
             if every_s is not None:
-                wait = min(wait, max(next_time - elapsed, 0.0))
+                wait = min(wait, max(self.next_time - elapsed, 0.0))
             ep.pump(max(wait, 0.0))
-            if every_s is None and self.version >= next_version:
-                while next_version <= self.version:
-                    next_version += cfg.eval.every
+            if every_s is None and self.version >= self.next_version:
+                while self.next_version <= self.version:
+                    self.next_version += cfg.eval.every
                 emit()
-            elif every_s is not None and self.elapsed() >= next_time:
-                while next_time <= self.elapsed():
-                    next_time += every_s
+            elif every_s is not None and self.elapsed() >= self.next_time:
+                while self.next_time <= self.elapsed():
+                    self.next_time += every_s
                 emit()
             self.fill()  # after a record: its evaluation asks idle devices before they get new work
         self.stopping = True
         self.last_round = self.version
-        if finished and recorded != self.version:
-            emit()  # the end is always judged
+        if finished and (self.recorded != self.version or self.failure is not None):
+            emit()  # the end is always judged (and a failure recorded)
         return finished

@@ -26,6 +26,11 @@ class RunClock(Protocol):
         """Work known to be on its way: device -> (round, seconds of work); empty when unknowable."""
         ...
 
+    def idle(self) -> bool:
+        """True when nothing can reach the server any more unless it sends something (known
+        only to a virtual clock: a real network is never known to be idle)."""
+        ...
+
 
 class TransportClock:
     """A real network's clock: the transport's own, and no knowledge of work in flight."""
@@ -40,3 +45,6 @@ class TransportClock:
 
     def in_flight(self) -> dict[str, tuple[int, float | None]]:
         return {}
+
+    def idle(self) -> bool:
+        return False

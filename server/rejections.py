@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_KEYS = 200  # distinct reasons or senders tracked; beyond that they count under "(other)"
@@ -25,14 +26,15 @@ def reason_kind(reason: str) -> str:
     return re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", folded)[:120]
 
 
+@dataclass
 class Rejections:
-    """Refusals counted by reason and sender, with a cap on distinct keys."""
+    """Refusals counted by reason and sender, with a cap on distinct keys (a dataclass, so a
+    checkpoint of an asynchronous run keeps the refusals its open record has counted)."""
 
-    def __init__(self) -> None:
-        self.total = 0
-        self.by_reason: Counter[str] = Counter()
-        self.by_sender: Counter[str] = Counter()
-        self.recent: deque[tuple[str, str]] = deque(maxlen=50)  # (sender, reason) of the last refusals
+    total: int = 0
+    by_reason: Counter[str] = field(default_factory=Counter)
+    by_sender: Counter[str] = field(default_factory=Counter)
+    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=50))  # (sender, reason) of the last refusals
 
     def __len__(self) -> int:
         return self.total

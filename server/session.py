@@ -164,8 +164,10 @@ class RunSession:
     def resume(self) -> int:
         """Restore the server half and the metrics from the run directory (before any connection
         is made); returns the first round still to play."""
-        if self.cfg.mode == "async":
-            raise ConfigError("an asynchronous run cannot be resumed (its devices' work in flight is not saved)",
+        asynchronous = self.cfg.mode == "async"
+        if asynchronous and self.save_devices is None:
+            raise ConfigError("an asynchronous fleet server cannot be resumed (its devices' work in flight is not saved; "
+                              "an asynchronous simulation can: edgefl simulate --resume)",
                               hint="start it again; asynchronous.time_budget_s or a lower rounds keeps runs short")
         if self.run_dir is None or not (self.run_dir.path / STATE_FILE).is_file():
             raise ConfigError("nothing to resume: the run directory holds no server state",
@@ -174,20 +176,28 @@ class RunSession:
         if extra.get("config_sha256") != config_digest(self.cfg):
             raise ConfigError(f"the saved server state belongs to another config{_config_changes(self.cfg, self.run_dir.path)}",
                               hint="resume with the interrupted run's config.toml and no --set that changes it")
+        if asynchronous and not isinstance(extra.get("carried"), dict):
+            raise ConfigError("the saved server state holds no asynchronous run's work out (saved by an older edgefl?)",
+                              hint="start the run again")
         done = int(extra["round"])
         metrics = self.run_dir.path / "metrics.jsonl"
         lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-        history = [h for h in lines if h["round"] <= done]
-        if len(lines) != len(history):  # a round recorded after the state was saved: rewrite without it
+        # a record written after the state was saved is dropped (and played again); an
+        # asynchronous checkpoint counts its records (it may be taken some updates after one)
+        history = lines[:int(extra["records"])] if asynchronous else [h for h in lines if h["round"] <= done]
+        if len(lines) != len(history):
             metrics.write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in history))
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
         policy = self.policy
-        assert isinstance(policy, SyncRounds)  # an asynchronous run is refused above
         policy.history = history
         if self.dp_sgd is not None:
             self.dp_sgd.restore(history)
-        policy.last_round = self.endpoint.model_version = done
-        policy.accept_early = True  # uploads devices queued while the server was down
+        if isinstance(policy, AsyncUpdates):
+            policy.restore(extra["carried"])
+        else:
+            assert isinstance(policy, SyncRounds)
+            policy.last_round = self.endpoint.model_version = done
+            policy.accept_early = True  # uploads devices queued while the server was down
         if isinstance(extra.get("run_id"), str):
             self.endpoint.run_id = extra["run_id"]
         if self.enrolment is not None:
@@ -216,16 +226,22 @@ class RunSession:
             self.save_checkpoint(record["round"])
 
     def save_checkpoint(self, round_no: int) -> None:
-        """The server's state after ``round_no`` (and, in a simulation, its devices' first)."""
-        if self.run_dir is None or round_no == self._saved_round:
+        """The server's state after ``round_no`` (and, in a simulation, its devices' first). An
+        asynchronous run's checkpoint (taken by its policy when nothing is half-done, see
+        :meth:`AsyncUpdates.quiescent`) also holds the policy's work out and its records' count."""
+        policy = self.policy
+        asynchronous = isinstance(policy, AsyncUpdates)
+        if self.run_dir is None or (round_no == self._saved_round and not asynchronous):
             return
         if self.save_devices is not None:
             self.save_devices(self.run_dir.path / DEVICES_FILE, round_no)
         save_state(self.server, self.run_dir.path / STATE_FILE,
                    {"round": round_no, "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
                     "device_accuracy": self.evaluator.device_accuracy,
+                    **({"records": len(policy.history)} if asynchronous else {}),
                     **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
-                    **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})})
+                    **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})},
+                   carried=policy.state() if isinstance(policy, AsyncUpdates) else None)
         self._saved_round = round_no
 
     def run(self, first_round: int = 1, on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -238,6 +254,10 @@ class RunSession:
                 on_record(record)
 
         self.trackers = Trackers(self.cfg, self.run_dir.path if self.run_dir else None)
+        if isinstance(self.policy, AsyncUpdates) and self.checkpoint_every and self.run_dir is not None:
+            policy = self.policy
+            policy.checkpoint_every = self.checkpoint_every  # records between checkpoints
+            policy.checkpoint = lambda: self.save_checkpoint(policy.version)
         try:
             self.policy.run(first_round, after, should_stop)
             if self.checkpoint_every and self.policy.stopped_early and self.cfg.mode == "sync" and self.policy.history:

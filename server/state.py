@@ -16,7 +16,7 @@ import dataclasses
 import importlib
 import json
 import os
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,12 @@ class _Encoder:
             return obj
         if isinstance(obj, torch.Tensor):
             key = f"t{len(self.tensors)}"
-            self.tensors[key] = obj.detach().cpu().contiguous()
+            self.tensors[key] = obj.detach().cpu().contiguous().clone()  # a copy: views of one storage cannot be saved apart
             return {"__tensor__": key}
+        if isinstance(obj, bytes):  # an envelope kept to send again: its bytes as a uint8 tensor
+            key = f"t{len(self.tensors)}"
+            self.tensors[key] = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.zeros(0, dtype=torch.uint8)
+            return {"__bytes__": key}
         if isinstance(obj, nn.Module):
             return {"__module__": self(obj.state_dict())}
         if isinstance(obj, torch.optim.Optimizer):
@@ -52,6 +56,8 @@ class _Encoder:
             return {"__list__": [self(v) for v in obj]}
         if isinstance(obj, set):
             return {"__set__": [self(v) for v in sorted(obj, key=repr)]}
+        if isinstance(obj, Counter):  # before dict: a restored tally must count on
+            return {"__counter__": [[self(k), self(v)] for k, v in obj.items()]}
         if isinstance(obj, dict):
             return {"__dict__": [[self(k), self(v)] for k, v in obj.items()]}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -70,6 +76,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], existing: Any = None) -
         raise PayloadError(f"server state: unexpected node {str(node)[:60]}")
     if "__tensor__" in node:
         return tensors[node["__tensor__"]]
+    if "__bytes__" in node:
+        return tensors[node["__bytes__"]].numpy().tobytes()
     if "__module__" in node or "__optimizer__" in node:
         if existing is None or not hasattr(existing, "load_state_dict"):
             raise PayloadError("server state holds a network the fresh server does not have")
@@ -85,6 +93,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], existing: Any = None) -
         return {_decode(v, tensors) for v in node["__set__"]}
     if "__dict__" in node:
         return {_decode(k, tensors): _decode(v, tensors) for k, v in node["__dict__"]}
+    if "__counter__" in node:
+        return Counter({_decode(k, tensors): _decode(v, tensors) for k, v in node["__counter__"]})
     if "__dataclass__" in node:
         module, _, qualname = node["__dataclass__"].partition(":")
         if not module.startswith("edgefl."):
@@ -98,13 +108,27 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], existing: Any = None) -
     raise PayloadError(f"server state: unknown node {sorted(node)[:3]}")
 
 
-def save_state(server: Any, path: Path, extra: dict[str, Any]) -> Path:
-    """Write every attribute of ``server`` except the ones rebuilt from the config."""
+def encode_tree(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``obj`` (what a server state may hold) as a JSON skeleton and the tensors it names."""
+    enc = _Encoder()
+    return enc(obj), enc.tensors
+
+
+def decode_tree(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`encode_tree` (modules and optimizers are not rebuilt: none may be in it)."""
+    return _decode(skeleton, tensors)
+
+
+def save_state(server: Any, path: Path, extra: dict[str, Any], carried: Any = None) -> Path:
+    """Write every attribute of ``server`` except the ones rebuilt from the config. ``extra``
+    is plain JSON; ``carried`` (what the run's policy carries between updates: tensors, bytes,
+    tuples, edgefl dataclasses) is encoded like the attributes and comes back as
+    ``extra["carried"]`` from :func:`load_state`."""
     enc = _Encoder()
     skip = type(server).config_attributes  # rebuilt from the config, never restored from a file
     skeleton = {name: enc(value) for name, value in vars(server).items() if name not in skip and not name.startswith("__")}
     meta = {"format": FORMAT, "server_class": f"{type(server).__module__}:{type(server).__qualname__}", "extra": extra,
-            "attributes": skeleton}
+            "attributes": skeleton, **({"carried": enc(carried)} if carried is not None else {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(enc.tensors, str(tmp), metadata={"edgefl": json.dumps(meta)})
@@ -130,4 +154,6 @@ def load_state(server: Any, path: Path) -> dict[str, Any]:
     tensors = load_file(str(path))
     for name, node in meta["attributes"].items():
         setattr(server, name, _decode(node, tensors, getattr(server, name, None)))
+    if "carried" in meta:
+        return {**meta["extra"], "carried": _decode(meta["carried"], tensors)}
     return meta["extra"]

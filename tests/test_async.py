@@ -166,15 +166,46 @@ def test_config_refuses_what_async_cannot_do(change, message):
         RunConfig.model_validate(raw)
 
 
-def test_an_async_run_cannot_be_resumed(tmp_path):
-    from edgefl.build import build_run
-    from edgefl.rundir import RunDir
-    from edgefl.server.session import RunSession
+def test_when_every_device_at_work_refuses_its_download_the_run_fails_with_the_reason_instead_of_waiting(monkeypatch):
+    """A device that cannot use a download (a model that turned non-finite, say) restores its model
+    and says nothing, as a real device does; on the virtual clock nothing can then arrive. The work
+    is given up and handed out again; three times in a row with no report and the run fails."""
+    from edgefl.device import DeviceLoop
+    from edgefl.errors import PayloadError
+    from edgefl.sim import Simulation
 
-    cfg = async_config()
-    session = RunSession(build_run(cfg), None, "f", runner="simulation", run_dir=RunDir(tmp_path), deadline_s=10)
-    with pytest.raises(ConfigError, match="cannot be resumed"):
-        session.resume()
+    real = DeviceLoop.fit
+    fits = [0]
+
+    def fails_after_four(self, env, downlink=None):
+        fits[0] += 1
+        if fits[0] > 4:
+            raise PayloadError(f"round {env.round}: the model was restored and the download refused (NaN)")
+        return real(self, env, downlink)
+
+    monkeypatch.setattr(DeviceLoop, "fit", fails_after_four)
+    sim = Simulation(async_config("fedhe", rounds=50), show_progress=False)
+    summary = sim.run()
+    last = sim.history[-1]
+    assert last["outcome"] == "failed" and "no report can arrive" in last["failure"]
+    assert last["round"] == 4 and set(last["silent"]) == {"client-0", "client-1", "client-2", "client-3"}
+    assert summary["failed_rounds"] == [4] and not summary["interrupted"]
+
+
+def test_fedbuff_moves_batch_norm_statistics_toward_the_reports_so_a_variance_stays_positive():
+    """A step from a stale origin can drive a running variance below zero (FedIN's ResNets went
+    NaN asynchronously): statistics take a convex share of the report's value instead."""
+    from edgefl.config import AsyncSettings
+
+    server = _fedavg_server()
+    agg = AsyncAggregator(server, AsyncSettings(buffer_size=1), True, 3)
+    current = {"layer.running_var": torch.full((2,), 0.2), "layer.weight": torch.full((2,), 0.2)}
+    server.shared_weights = lambda device: current
+    agg._starts[("mlp", 0)] = {"layer.running_var": torch.full((2,), 1.0), "layer.weight": torch.full((2,), 1.0)}
+    report = Message("weights", 1, "c0", {"layer.running_var": torch.full((2,), 0.1), "layer.weight": torch.full((2,), 0.1)}, {})
+    rebased = agg.rebase(report, ("mlp", 0), staleness=0)
+    assert torch.allclose(rebased.tensors["layer.weight"], torch.full((2,), 0.2 - 0.9))  # a parameter: the delta
+    assert torch.allclose(rebased.tensors["layer.running_var"], torch.full((2,), 0.1))  # a statistic: the report's
 
 
 def test_a_fleet_runs_asynchronously_with_a_late_joiner_and_a_leaver(tmp_path):

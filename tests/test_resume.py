@@ -144,3 +144,116 @@ def test_a_changed_config_is_refused_naming_what_changed(tmp_path):
     longer = _config("fedavg", rounds=3, every=1)
     with pytest.raises(ConfigError, match="rounds 2 -> 3"):
         Simulation(longer, RunDir(run.path), show_progress=False).resume()
+
+
+# --- asynchronous runs: the work and messages under way are part of the checkpoint ---------------
+
+def _async_config(method: str, rounds: int = 12, every: int = 2, filters: list | None = None, **settings) -> RunConfig:
+    raw = method_config(method, rounds=rounds)
+    raw.update(mode="async", threads=1, eval={"every": 2})
+    raw.setdefault("simulation", {})["checkpoint_every"] = every
+    if settings:
+        raw["asynchronous"] = settings
+    if filters:
+        raw["filters"] = filters
+    return RunConfig.model_validate(raw)
+
+
+def _timed_fedavg() -> RunConfig:
+    """Device classes on the virtual clock, records by time, a buffer of three: uploads are on their
+    way at every checkpoint and a record often falls while reports wait in the buffer."""
+    raw = method_config("fedavg", rounds=10_000)
+    raw.update(mode="async", threads=1)
+    raw["fleet"] = {"groups": [
+        {"model": "mlp", "count": 2, "profile": "pi4-4gb", "options": {"hidden": [16]}},
+        {"model": "mlp", "count": 2, "profile": "pi-zero-2w", "options": {"hidden": [16]}},
+    ]}
+    raw["asynchronous"] = {"time_budget_s": 0.6, "eval_every_s": 0.1, "buffer_size": 3}
+    raw.setdefault("simulation", {})["checkpoint_every"] = 1
+    return RunConfig.model_validate(raw)
+
+
+ASYNC_CASES = {
+    "fedhe": lambda: _async_config("fedhe"),
+    "fedavg-fedbuff": lambda: _async_config("fedavg", buffer_size=3),
+    "velo": lambda: _async_config("velo"),
+    "fedin": lambda: _async_config("fedin", rounds=8),
+    "fedhe+local-dp": lambda: _async_config("fedhe", filters=[{"name": "local-dp", "noise_multiplier": 0.5}]),
+    "fedavg-timed": _timed_fedavg,
+}
+
+
+@pytest.mark.parametrize("case", sorted(ASYNC_CASES))
+def test_an_asynchronous_run_stopped_and_resumed_writes_what_an_uninterrupted_one_writes(case, tmp_path):
+    cfg = ASYNC_CASES[case]()
+    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
+    Simulation(cfg, whole, show_progress=False).run()
+    assert len(_records(whole.path)) >= 4
+
+    stopped = RunDir.create(tmp_path / "stopped", cfg.name, cfg.seed)
+    played: list[int] = []
+    first = Simulation(cfg, stopped, show_progress=False, on_round=lambda r: played.append(r["round"]))
+    assert first.run(should_stop=lambda: len(played) >= 3)["interrupted"]
+    again = Simulation(cfg, RunDir(stopped.path), show_progress=False)
+    again.resume()
+    assert len(again.history) <= 3  # the records up to the checkpoint; those after it are played again
+    again.run()
+    assert _records(stopped.path) == _records(whole.path)
+
+
+def test_an_asynchronous_run_crashed_past_its_checkpoint_plays_the_updates_since_again(tmp_path):
+    cfg = _async_config("fedhe", rounds=12, every=2)
+    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
+    Simulation(cfg, whole, show_progress=False).run()
+    crashed = RunDir.create(tmp_path / "crashed", cfg.name, cfg.seed)
+
+    def crash_at_the_third_record(record):
+        if record["round"] >= 6:
+            raise RuntimeError("the machine went away")
+
+    with pytest.raises(RuntimeError):
+        Simulation(cfg, crashed, show_progress=False, on_round=crash_at_the_third_record).run()
+    assert len(_records(crashed.path)) == 3  # the third record was written, the checkpoint is after the second
+    again = Simulation(cfg, RunDir(crashed.path), show_progress=False)
+    assert again.resume() == 5 and len(again.history) == 2
+    again.run()
+    assert _records(crashed.path) == _records(whole.path)
+
+
+def test_the_command_line_resumes_an_asynchronous_run(tmp_path):
+    from edgefl.cli import app
+    from edgefl.interrupt import StopRequest
+
+    cfg = _async_config("fedhe", rounds=8, every=1)
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    whole = tmp_path / "whole"
+    assert CliRunner().invoke(app, ["simulate", str(path), "--out", str(whole), "--quiet"]).exit_code == 0
+    out = tmp_path / "run"
+    real = StopRequest.requested
+
+    def stop_after_a_while(self):  # as a Ctrl-C after the second record would
+        metrics = out / "metrics.jsonl"
+        return (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) or real(self)
+
+    StopRequest.requested = stop_after_a_while
+    try:
+        res = CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--quiet"])
+    finally:
+        StopRequest.requested = real
+    assert res.exit_code == 130, res.output
+    assert "edgefl simulate --resume --out" in res.output
+    res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "resuming after server update" in res.output
+    assert _records(out) == _records(whole)
+
+
+def test_an_asynchronous_fleet_server_refuses_to_resume_and_says_what_can(tmp_path):
+    from edgefl.build import build_run
+    from edgefl.server.session import RunSession
+
+    cfg = _async_config("fedhe")
+    session = RunSession(build_run(cfg), None, "f", runner="fleet", run_dir=RunDir(tmp_path), deadline_s=10)
+    with pytest.raises(ConfigError, match="asynchronous fleet server cannot be resumed.*edgefl simulate --resume"):
+        session.resume()

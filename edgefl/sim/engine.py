@@ -36,6 +36,7 @@ from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
 from edgefl.server.session import DEVICES_FILE, RunSession, model_meta, safe_name
+from edgefl.server.state import decode_tree, encode_tree
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
 from edgefl.sim.network import InMemoryNetwork
@@ -107,14 +108,15 @@ class Simulation:
                                   clock=self.network.run_clock())
         self.server = self.session.server
         self.session.device_models = self._device_models
-        if run_dir is not None and not self.hosts and cfg.mode == "sync":  # every device's state is here to save
+        if run_dir is not None and not self.hosts:  # every device's state is here to save
             self.session.checkpoint_every = cfg.simulation.checkpoint_every
             self.session.save_devices = self._save_devices
-        elif run_dir is not None and cfg.simulation.checkpoint_every and cfg.mode == "sync":
+        elif run_dir is not None and cfg.simulation.checkpoint_every:
             log.warning("no checkpoints: the devices train in %d worker processes, whose states are not saved "
                         "(simulation.workers = 1 checkpoints every %d rounds)", len(self.hosts), cfg.simulation.checkpoint_every)
         self._joined = False
         self._first_round = 1  # a resumed run goes on from its checkpoint (resume())
+        self._resumed = False
 
     # --- checkpoints --------------------------------------------------------------------------------
     def _save_devices(self, path: Path, round_no: int) -> None:
@@ -125,6 +127,12 @@ class Simulation:
         net = self.network
         meta = {"format": DEVICES_FORMAT, "round": round_no, "devices": sorted(net.loops),
                 "clock": {"now": net.clock, "device_now": net._device_now, "busy_until": dict(net._busy_until)}}
+        if self.cfg.mode == "async":
+            # between updates, messages are on their way: uploads priced to arrive later, answers
+            # and downloads not yet read by their devices, and who the server knows to be online
+            skeleton, queued = encode_tree({"network": net.queued(), "online": dict(self.session.endpoint.online)})
+            meta["queued"] = skeleton
+            tensors.update({f"queued|{k}": t for k, t in queued.items()})
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"edgefl": json.dumps(meta)})
         os.replace(tmp, path)
@@ -134,8 +142,7 @@ class Simulation:
         the records so far, every device's state, the virtual clock); returns the next round."""
         if not self.session.checkpoint_every:
             why = ("it spreads devices over worker processes, whose states are not saved (run it with --set simulation.workers=1 "
-                   "to checkpoint)" if self.hosts else
-                   "it runs asynchronously (resume: not built)" if self.cfg.mode == "async" else "simulation.checkpoint_every is 0")
+                   "to checkpoint)" if self.hosts else "simulation.checkpoint_every is 0")
             raise ConfigError(f"this run cannot be resumed: {why}", hint="start it again")
         first = self.session.resume()
         path = self.run_dir.path / DEVICES_FILE  # type: ignore[union-attr]
@@ -155,7 +162,18 @@ class Simulation:
         clock = meta["clock"]
         self.network.clock, self.network._device_now = float(clock["now"]), float(clock["device_now"])
         self.network._busy_until = {str(d): float(t) for d, t in clock["busy_until"].items()}
+        if self.cfg.mode == "async":
+            if "queued" not in meta:
+                raise ConfigError(f"{path} holds no messages in flight, which an asynchronous run's checkpoint keeps",
+                                  hint="start the run again")
+            queued = decode_tree(meta["queued"], {k[len("queued|"):]: v for k, v in tensors.items() if k.startswith("queued|")})
+            self.network.restore_queued(queued["network"])
+            endpoint = self.session.endpoint
+            endpoint.online = {str(d): bool(v) for d, v in queued["online"].items()}
+            endpoint.online_count = sum(endpoint.online.values())
+            self._joined = True  # the devices joined before the checkpoint: their presence is restored above
         self._first_round = first
+        self._resumed = True
         return first
 
     def _device_models(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -209,7 +227,7 @@ class Simulation:
         summary and metrics of what was played are written either way)."""
         cfg = self.cfg
         first = self._first_round
-        if first == 1:
+        if not self._resumed:
             self.session.write_start()
         self._join()
         progress = Progress(

@@ -66,6 +66,10 @@ class VirtualClock:
         """Work known to be on its way: device -> (round, seconds of work)."""
         return self.network.in_flight()
 
+    def idle(self) -> bool:
+        """Nothing queued for the server or for a device: the devices' loops have said all they will."""
+        return not self.network._to_server and not self.network._runnable
+
 
 class InMemoryNetwork(ServerTransport):
 
@@ -141,6 +145,23 @@ class InMemoryNetwork(ServerTransport):
     def in_flight(self) -> dict[str, tuple[int, float | None]]:
         """Work known to be on its way: device -> (round, seconds of work)."""
         return {d: (r, work) for d, (r, work, arrival) in self._in_flight.items() if arrival > self.clock}
+
+    # --- a checkpoint of an asynchronous run ---------------------------------------------------------
+    def queued(self) -> dict:
+        """What is on its way between the server's reads (an asynchronous run's checkpoint keeps
+        it): deliveries queued for the server with their arrival times, those not yet read by
+        their devices, and the work known to be under way."""
+        return {"to_server": list(self._to_server), "seq": self._seq, "runnable": list(self._runnable),
+                "inbox": {d: list(box) for d, box in self._inbox.items()}, "in_flight": dict(self._in_flight)}
+
+    def restore_queued(self, saved: dict) -> None:
+        """The inverse of :meth:`queued` (replaces the presence the devices said when attached)."""
+        self._to_server = [(float(at), int(seq), item) for at, seq, item in saved["to_server"]]
+        heapq.heapify(self._to_server)
+        self._seq = int(saved["seq"])
+        self._runnable = deque(saved["runnable"])
+        self._inbox = {d: deque(saved["inbox"].get(d, ())) for d in self._inbox}
+        self._in_flight = {d: (int(r), w, float(a)) for d, (r, w, a) in saved["in_flight"].items()}
 
     # --- the devices -----------------------------------------------------------------------------
     def _run_devices(self) -> None:
