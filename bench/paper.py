@@ -295,18 +295,20 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; the paper's numbers: {table.paper_source}")
     if overrides:
         print(f"overridden for every cell: {', '.join(overrides)} (not the table's setting: a smoke run, not a row to compare)")
-    head = f"{'':14s}" + "".join(f" | {c:>22s}" for c in table.columns)
-    print(head + "\n" + "-" * len(head))
-    lines = []
+    lines, shown = [], {}
     for row in rows:
-        text = f"{row:14s}"
         for column in table.columns:
             mine, theirs = got.get((row, column), []), table.paper.get((row, column))
             ours = (f"{statistics.fmean(mine):.2f}" + (f"+-{statistics.stdev(mine):.2f}" if len(mine) > 1 else "")) if mine else "not run"
-            text += f" | {ours:>10s} ({'-' if theirs is None else f'{theirs:.2f}':>6s})"
+            shown[row, column] = f"{ours} ({'-' if theirs is None else f'{theirs:.2f}'})"
             lines.append({"row": row, "column": column, "ours": mine, "ours_mean": statistics.fmean(mine) if mine else None,
                           "paper": theirs})
-        print(text)
+    label = max(len(r) for r in rows)
+    width = max([len(c) for c in table.columns] + [len(v) for v in shown.values()])
+    head = " " * label + "".join(f" | {c:>{width}s}" for c in table.columns)
+    print(head + "\n" + "-" * len(head))
+    for row in rows:
+        print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
     print("(ours, paper's in brackets; mean +- sd over seeds)")
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "device": device, "overrides": overrides, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
@@ -366,11 +368,11 @@ def main() -> None:
         wanted = set(args.cells.split(","))
         unknown = wanted - {c.key for c in cells}
         if unknown:
-            raise SystemExit(f"no cells {sorted(unknown)} in {args.table}: it has {', '.join(c.key for c in cells)}")
+            ap.error(f"no cells {sorted(unknown)} in {args.table}: it has {', '.join(c.key for c in cells)}")
         cells = [c for c in cells if c.key in wanted]
     out = args.out or RESULTS / "paper" / f"{args.table}-{args.scale}"
     if args.report_only and not out.is_dir():
-        raise SystemExit(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
+        ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     if not args.report_only:

@@ -37,6 +37,9 @@ class LiveState:
     def __init__(self, path: Path, devices: dict[str, dict[str, Any]], rounds: int, quorum_count: Callable[[int], int],
                  runner: str) -> None:
         self.path = path / LIVE_FILE
+        # a run directory that has one is being resumed: the stopped run's picture stays until this
+        # run's first event (a resume refused before then leaves it as it was)
+        earlier = self.path.is_file()
         self.doc: dict[str, Any] = {
             "runner": runner, "rounds": rounds, "status": "starting", "updated_unix": time.time(),
             "round": None, "devices": {d: {**facts, "online": None, "last_round": None,
@@ -52,7 +55,8 @@ class LiveState:
         self._lock = threading.Lock()  # the round loop's thread and the timer that writes a held-back change
         self._timer: threading.Timer | None = None
         self._ended = False
-        self.write(force=True)
+        if not earlier:
+            self.write(force=True)
 
     def on_event(self, kind: str, info: dict[str, Any]) -> None:
         with self._lock:

@@ -142,8 +142,10 @@ def test_a_changed_config_is_refused_naming_what_changed(tmp_path):
     run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
     Simulation(cfg, run, show_progress=False).run()
     longer = _config("fedavg", rounds=3, every=1)
+    live = (run.path / "live.json").read_text()
     with pytest.raises(ConfigError, match="rounds 2 -> 3"):
         Simulation(longer, RunDir(run.path), show_progress=False).resume()
+    assert (run.path / "live.json").read_text() == live  # the dashboard's picture of the run is left as it was
 
 
 # --- asynchronous runs: the work and messages under way are part of the checkpoint ---------------
