@@ -343,7 +343,9 @@ def run_authors(args, ds, shared: dict, stdout) -> dict:
             locals_ = []
             for c in vgg_ids:
                 m = copy.deepcopy(client_models["vgg9"])
-                flat[c].unpack(list(m.state_dict().values()))
+                state = m.state_dict()
+                flat[c].unpack(state.values())  # rebinds each tensor's .data (their TensorBuffer): load it, as their _fedavg does
+                m.load_state_dict(state)
                 locals_.append(evaluate_accuracy(m, x_test, y_test))
             out["local VGG-9 clients (mean)"] = float(np.mean(locals_))
             test_set = partition_data.Partition(data["test"], [int(i) for i in shared["test_idx"]])

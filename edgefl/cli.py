@@ -152,7 +152,9 @@ def simulate(
             out.print(accuracy_table(run))
         again = (f"; continue it: edgefl simulate --resume --out {run.path}" if cfg.simulation.checkpoint_every
                  and (run.path / "server-state.safetensors").is_file() else "")
-        err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {done} of {cfg.rounds} rounds; models, summary and "
+        played = (f"{done} records ({run.metrics()[-1]['round'] if done else 0} of {cfg.rounds} server updates)" if cfg.mode == "async"
+                  else f"{done} of {cfg.rounds} rounds")
+        err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {played}; models, summary and "
                   f"plots of what ran are in {run.path} (edgefl report {run.path}){again}")
         raise typer.Exit(130)
     baseline_stopped = _baseline(cfg, parts, run, quiet)

@@ -244,7 +244,7 @@ def test_the_command_line_resumes_an_asynchronous_run(tmp_path):
     finally:
         StopRequest.requested = real
     assert res.exit_code == 130, res.output
-    assert "edgefl simulate --resume --out" in res.output
+    assert "edgefl simulate --resume --out" in res.output and "of 8 server updates" in res.output
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
     assert res.exit_code == 0, res.output
     assert "resuming after server update" in res.output
