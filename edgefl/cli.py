@@ -92,7 +92,7 @@ def simulate(
     backend: Annotated[Optional[str], typer.Option("--backend", help="local (processes) or ray")] = None,
     address: Annotated[Optional[str], typer.Option("--address", help="--backend ray: the cluster to join (default: start one here)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the stopped run in --out from its last checkpoint "
-                                               "(simulation.checkpoint_every; CONFIG defaults to the run's config.toml)")] = False,
+                                               "(how often: checkpoint_every under simulation); CONFIG defaults to the run's config.toml")] = False,
 ) -> None:
     """Run a federated training job on a simulated fleet (in this process, or spread over workers)."""
     from edgefl.build import build_run
