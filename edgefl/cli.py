@@ -66,8 +66,10 @@ def _say_devices(parts) -> None:
 
 def _say_data(parts) -> None:
     _say_devices(parts)
-    ds = parts.ds
-    err.print(f"data: {ds.name}, {len(ds.y_train)} train / {len(ds.y_test)} test samples, {ds.num_classes} classes, from {ds.source}")
+    ds, frac = parts.ds, parts.cfg.data.client_test_fraction
+    split = (f"{len(ds.y_train)} samples pooled, each device keeping {frac:.0%} of its share to judge on" if frac and not len(ds.y_test)
+             else f"{len(ds.y_train)} train / {len(ds.y_test)} test samples")
+    err.print(f"data: {ds.name}, {split}, {ds.num_classes} classes, from {ds.source}")
     for path in ds.files:
         err.print(f"  {path}", highlight=False)
 
