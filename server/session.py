@@ -193,7 +193,11 @@ class RunSession:
         if self.dp_sgd is not None:
             self.dp_sgd.restore(history)
         if isinstance(policy, AsyncUpdates):
-            policy.restore(extra["carried"])
+            try:
+                policy.restore(extra["carried"])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ConfigError(f"the saved server state's asynchronous part cannot be read ({type(exc).__name__}: {exc}); "
+                                  "it was written by another edgefl or damaged", hint="start the run again") from None
         else:
             assert isinstance(policy, SyncRounds)
             policy.last_round = self.endpoint.model_version = done

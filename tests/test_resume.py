@@ -259,3 +259,23 @@ def test_an_asynchronous_fleet_server_refuses_to_resume_and_says_what_can(tmp_pa
     session = RunSession(build_run(cfg), None, "f", runner="fleet", run_dir=RunDir(tmp_path), deadline_s=10)
     with pytest.raises(ConfigError, match="asynchronous fleet server cannot be resumed.*edgefl simulate --resume"):
         session.resume()
+
+
+def test_a_damaged_asynchronous_checkpoint_is_refused_with_what_to_do(tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cfg = _async_config("fedhe", rounds=8, every=1)
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    played: list[int] = []
+    Simulation(cfg, run, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 2)
+    state = run.path / "server-state.safetensors"
+    with safe_open(str(state), framework="pt") as f:
+        meta = json.loads(f.metadata()["edgefl"])
+    del meta["carried"]["__dict__"][0]  # one of the policy's fields gone
+    save_file(load_file(str(state)), str(state), metadata={"edgefl": json.dumps(meta)})
+    with pytest.raises(ConfigError, match="asynchronous part cannot be read") as caught:
+        Simulation(cfg, RunDir(run.path), show_progress=False).resume()
+    assert "start the run again" in caught.value.hint
