@@ -407,7 +407,7 @@ class AsyncUpdates(RoundPolicy):
                 "counter": self.counter, "window": self.window, "asked": self.asked, "started": self.started,
                 "elapsed": self.elapsed(), "virtual": bool(self.clock.virtual), "dirty": self._dirty,
                 "next_version": self.next_version, "next_time": self.next_time, "recorded": self.recorded,
-                "last_round": self.last_round}
+                "last_round": self.last_round, "stalls": self.stalls}
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Go on from :meth:`state` (the server half already loaded). On a virtual clock (restored
@@ -425,9 +425,10 @@ class AsyncUpdates(RoundPolicy):
         shift = 0.0 if virtual else self.started - float(saved["started"])
         self._dirty = bool(saved["dirty"])
         self.next_version = int(saved["next_version"])
-        self.next_time = float(saved["next_time"]) + shift
+        self.next_time = float(saved["next_time"])  # on the run's elapsed time, which goes on where it stopped
         self.recorded = int(saved["recorded"])
         self.last_round = int(saved["last_round"])
+        self.stalls = int(saved["stalls"])
         for ticket in self.tickets.values():
             ticket.sent += shift
         self.endpoint.model_version = self.version

@@ -71,6 +71,10 @@ class RunSession:
         self.checkpoint_every = 0
         self.save_devices: Callable[[Path, int], None] | None = None
         self._saved_round = 0
+        #: names one checkpoint in both its files (an asynchronous run may save two at one server version)
+        self.checkpoint_tag = ""
+        self.resumed_tag = ""  # the tag of the checkpoint resume() read
+        self._history_kept: list[dict[str, Any]] | None = None  # metrics.jsonl as resumed, written when the run goes on
         archs = {s.client_id: s.arch for s in parts.slots}
         judged = {s.client_id for s in parts.slots if get_spec(s.model).kind == "classifier"}
         held = cfg.data.device_held  # devices bring their own data: each judges on the share it holds out
@@ -185,8 +189,9 @@ class RunSession:
         # a record written after the state was saved is dropped (and played again); an
         # asynchronous checkpoint counts its records (it may be taken some updates after one)
         history = lines[:int(extra["records"])] if asynchronous else [h for h in lines if h["round"] <= done]
-        if len(lines) != len(history):
-            metrics.write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in history))
+        # written when the run goes on (run()): a resume refused after this leaves the records as they were
+        self._history_kept = history if len(lines) != len(history) else None
+        self.resumed_tag = str(extra.get("tag", ""))
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
         policy = self.policy
         policy.history = history
@@ -237,10 +242,11 @@ class RunSession:
         asynchronous = isinstance(policy, AsyncUpdates)
         if self.run_dir is None or (round_no == self._saved_round and not asynchronous):
             return
+        self.checkpoint_tag = f"{round_no}:{len(policy.history)}:{policy.counter}" if asynchronous else str(round_no)
         if self.save_devices is not None:
             self.save_devices(self.run_dir.path / DEVICES_FILE, round_no)
         save_state(self.server, self.run_dir.path / STATE_FILE,
-                   {"round": round_no, "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
+                   {"round": round_no, "tag": self.checkpoint_tag, "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
                     "device_accuracy": self.evaluator.device_accuracy,
                     **({"records": len(policy.history)} if asynchronous else {}),
                     **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
@@ -257,6 +263,9 @@ class RunSession:
             if on_record is not None:
                 on_record(record)
 
+        if self._history_kept is not None and self.run_dir is not None:  # records after the resumed checkpoint: played again
+            (self.run_dir.path / "metrics.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in self._history_kept))
+            self._history_kept = None
         self.trackers = Trackers(self.cfg, self.run_dir.path if self.run_dir else None)
         if isinstance(self.policy, AsyncUpdates) and self.checkpoint_every and self.run_dir is not None:
             policy = self.policy

@@ -397,6 +397,11 @@ def test_topk_serves_methods_that_exchange_weights(method):
     assert TopKFilter.refusal(TopKOptions(), get_method(method)) is None
 
 
+def test_topk_refuses_an_asynchronous_run_and_says_what_serves_it():
+    reason = TopKFilter.refusal(TopKOptions(), get_method("fedavg"), mode="async")
+    assert reason is not None and 'mode = "sync"' in reason and "quantize" in reason
+
+
 def test_topk_options():
     assert TopKOptions().keep(1000) == 10 and TopKOptions(fraction=0.07).keep(100) == 7 and TopKOptions().keep(3) == 1
     assert TopKOptions(k=50).keep(1000) == 50 and TopKOptions(k=50).keep(20) == 20

@@ -151,6 +151,10 @@ class TopKFilter(Filter):
         if spec.one_shot:
             return (f"{spec.name} is one-shot: what top-k holds back would never be sent (error feedback needs "
                     f"later rounds); use quantize")
+        if run.get("mode") == "async":
+            return ('top-k takes changes against what each device was sent in the current or previous round; an '
+                    'asynchronous run numbers every download, so a device\'s reference is gone before it reports: use '
+                    'mode = "sync", or quantize')
         return None
 
     def _referable(self, name: str, t: torch.Tensor) -> bool:

@@ -125,7 +125,7 @@ class Simulation:
         tensors = {f"{device}|{name}": t.detach().cpu().contiguous().clone()
                    for device, loop in sorted(self.network.loops.items()) for name, t in loop.carry_state().items()}
         net = self.network
-        meta = {"format": DEVICES_FORMAT, "round": round_no, "devices": sorted(net.loops),
+        meta = {"format": DEVICES_FORMAT, "round": round_no, "tag": self.session.checkpoint_tag, "devices": sorted(net.loops),
                 "clock": {"now": net.clock, "device_now": net._device_now, "busy_until": dict(net._busy_until)}}
         if self.cfg.mode == "async":
             # between updates, messages are on their way: uploads priced to arrive later, answers
@@ -153,7 +153,7 @@ class Simulation:
         except (OSError, ValueError, SafetensorError) as exc:
             raise ConfigError(f"{path}: the devices' checkpoint cannot be read ({exc})", hint="start the run again") from None
         if not isinstance(meta, dict) or meta.get("format") != DEVICES_FORMAT or meta.get("round") != first - 1 \
-                or meta.get("devices") != sorted(self.network.loops):
+                or meta.get("devices") != sorted(self.network.loops) or str(meta.get("tag", "")) != self.session.resumed_tag:
             raise ConfigError(f"{path} does not hold this run's devices after round {first - 1} (a checkpoint interrupted "
                               "while it was written, or another run's)", hint="start the run again")
         for device, loop in self.network.loops.items():
