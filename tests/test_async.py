@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from edgefl.config import RunConfig
-from edgefl.errors import ConfigError
 from edgefl.messages import Message
 from edgefl.server.asynchronous import AsyncAggregator, staleness_discount
 from edgefl.server.methods.base import ClientInfo
