@@ -55,4 +55,4 @@ def test_a_table_runs_its_cells_skips_the_finished_ones_and_records_the_paper_be
     assert row[("CHFL", "iid")]["paper"] == 89.88 and 0 < row[("CHFL", "iid")]["ours_mean"] <= 100
     assert row[("SOLO", "non-iid")]["ours"] == []  # not run: shown as such
     assert table["commit"] and table["machine"] and (out / "table.png").stat().st_size > 0
-    assert "not run" in again.stdout and "( 89.88)" in again.stdout
+    assert "not run" in again.stdout and "(89.88)" in again.stdout
