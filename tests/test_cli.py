@@ -242,3 +242,14 @@ def test_no_baseline_unless_asked_and_none_for_local_only_itself(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert "baseline" not in summary and summary["fedavg_equivalent"]["bytes_up_total"] > 0
     assert "gain (points)" not in res.stdout and "Local-only on digits" in res.stdout  # the title names the method
+
+
+def test_a_run_whose_devices_judge_on_their_own_shares_says_so_in_its_data_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from edgefl.cli import app
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "chfl_breast_cancer.toml"
+    res = CliRunner().invoke(app, ["simulate", str(example), "--set", "rounds=1", "--out", str(tmp_path / "run"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "569 samples pooled, each device keeping 25% of its share to judge on" in res.output and "/ 0 test" not in res.output

@@ -56,3 +56,14 @@ def test_a_table_runs_its_cells_skips_the_finished_ones_and_records_the_paper_be
     assert row[("SOLO", "non-iid")]["ours"] == []  # not run: shown as such
     assert table["commit"] and table["machine"] and (out / "table.png").stat().st_size > 0
     assert "not run" in again.stdout and "(89.88)" in again.stdout
+
+
+def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
+    script = str(ROOT / "bench" / "paper.py")
+    bad = subprocess.run([sys.executable, script, "chfl", "--cells", "nope", "--out", str(tmp_path / "t")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no cells ['nope'] in chfl" in bad.stderr and "chfl-iid-s0" in bad.stderr
+    missing = subprocess.run([sys.executable, script, "chfl", "--report-only", "--out", str(tmp_path / "absent")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert not (tmp_path / "absent").exists()
