@@ -138,7 +138,9 @@ def simulate(
     if resume:
         first = sim.resume()
         if cfg.mode == "async":
-            err.print(f"resuming after server update {first - 1} of {cfg.rounds} (the checkpoint after record {len(sim.history)}; "
+            finished = (run.path / "summary.json").is_file() and run.read_json("summary.json").get("interrupted") is False
+            err.print(("this run had finished; " if finished else "")
+                      + f"resuming after server update {first - 1} of {cfg.rounds} (the checkpoint after record {len(sim.history)}; "
                       "the updates since are played again, with the same numbers)")
         else:
             err.print(f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1})" if first <= cfg.rounds
@@ -154,7 +156,8 @@ def simulate(
             out.print(accuracy_table(run))
         again = (f"; continue it: edgefl simulate --resume --out {run.path}" if cfg.simulation.checkpoint_every
                  and (run.path / "server-state.safetensors").is_file() else "")
-        played = (f"{done} records ({run.metrics()[-1]['round'] if done else 0} of {cfg.rounds} server updates)" if cfg.mode == "async"
+        played = (f"{done} records ({run.metrics()[-1]['round'] if done else 0} of {cfg.rounds} server updates; a resume goes on "
+                  "from the last checkpoint, playing the records since it again)" if cfg.mode == "async"
                   else f"{done} of {cfg.rounds} rounds")
         err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {played}; models, summary and "
                   f"plots of what ran are in {run.path} (edgefl report {run.path}){again}")

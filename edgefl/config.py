@@ -594,8 +594,21 @@ def _check_filter(entry: FilterSettings, index: int, method, source: str, run: d
                           hint=f"filter {entry.name!r} takes these options: {accepted}") from None
     refusal = cls.refusal(options, method, **run)
     if refusal:
+        others = [name for name in sorted(FILTERS) if name != entry.name and _serves(name, method, run)]
         raise ConfigError(f"{source}: filter {entry.name!r} cannot serve this run: {refusal}",
-                          hint=f"drop it from [[filters]] or choose another ({', '.join(sorted(FILTERS))})")
+                          hint="drop it from [[filters]]" + (f" or choose one that serves it ({', '.join(others)})" if others else ""))
+
+
+def _serves(name: str, method, run: dict[str, Any]) -> bool:
+    """Whether filter ``name`` at its default options would serve this run (the refusal's hint
+    names only those); a filter whose options have no defaults is not offered."""
+    from edgefl.filters import get_filter
+
+    cls = get_filter(name)
+    try:
+        return cls.refusal(cls.Options(), method, **run) is None
+    except (ValidationError, TypeError, ValueError):
+        return False
 
 
 def parse_value(text: str) -> Any:

@@ -400,6 +400,16 @@ def test_topk_serves_methods_that_exchange_weights(method):
 def test_topk_refuses_an_asynchronous_run_and_says_what_serves_it():
     reason = TopKFilter.refusal(TopKOptions(), get_method("fedavg"), mode="async")
     assert reason is not None and 'mode = "sync"' in reason and "quantize" in reason
+    from edgefl.config import validate_config
+    from edgefl.errors import ConfigError
+    from tests.conftest import digits_config
+
+    raw = digits_config("fedavg", mode="async")
+    raw["filters"] = [{"name": "topk"}]
+    with pytest.raises(ConfigError) as caught:  # the hint offers only filters that serve the run
+        validate_config(raw)
+    offered = caught.value.hint.split("serves it (")[1].rstrip(")").split(", ")  # other tests may have registered toy filters
+    assert "quantize" in offered and "topk" not in offered and "secagg" not in offered
 
 
 def test_topk_options():

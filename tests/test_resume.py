@@ -247,7 +247,10 @@ def test_the_command_line_resumes_an_asynchronous_run(tmp_path):
     assert "edgefl simulate --resume --out" in res.output and "of 8 server updates" in res.output
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
     assert res.exit_code == 0, res.output
-    assert "resuming after server update" in res.output
+    assert "resuming after server update" in res.output and "this run had finished" not in res.output
+    assert _records(out) == _records(whole)
+    res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])  # once more: it had finished
+    assert res.exit_code == 0 and "this run had finished" in res.output
     assert _records(out) == _records(whole)
 
 
