@@ -323,7 +323,8 @@ def accuracy_table(run: RunDir) -> Table:
     table.add_column("architecture")
     table.add_column("clients", justify="right")
     table.add_column("final", justify="right")
-    table.add_column("best (round)", justify="right")
+    unit = "update" if any(m.get("mode") == "async" for m in evaluated) else "round"  # an asynchronous run numbers server updates
+    table.add_column(f"best ({unit})", justify="right")
     if against is not None:
         at = "" if against["round"] == (evaluated[-1]["round"] if evaluated else None) else f" (round {against['round']})"
         table.add_column(f"{BASELINE_LABEL}{at}", justify="right")
@@ -364,9 +365,14 @@ def communication_table(run: RunDir) -> Table:
     device's weights, each way, for the same rounds and devices."""
     metrics = run.metrics()
     table = Table(title="communication")
-    for col in ("", "total", "per round", "per client per round"):
+    # an asynchronous record selects no one: its units are the record and the report it counted
+    asynchronous = any(m.get("mode") == "async" for m in metrics)
+    for col in ("", "total", *(("per record", "per report") if asynchronous else ("per round", "per client per round"))):
         table.add_column(col, justify="right")
-    n_sel = sum(len(m["selected"]) for m in metrics) or 1
+    if asynchronous:
+        n_sel = sum(int(m.get("reports") or 0) for m in metrics) or 1
+    else:
+        n_sel = sum(len(m["selected"]) for m in metrics) or 1
     for key in ("bytes_up", "bytes_down"):
         total = sum(m[key] for m in metrics)
         table.add_row(key.replace("bytes_", ""), human_bytes(total), human_bytes(total / len(metrics)), human_bytes(total / n_sel))

@@ -16,6 +16,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+import tomli_w
+
 from edgefl.build import DeviceSlot, RunParts, partition_record
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
@@ -52,7 +54,16 @@ TIMING_FIELDS = ("round_time_s", "train_time_s", "eval_time_s", "elapsed_s", "cl
 
 
 def config_digest(cfg: RunConfig) -> str:
-    return hashlib.sha256(cfg.to_toml().encode()).hexdigest()
+    """What a checkpoint must be resumed with: the config, less how often it checkpoints (that
+    changes none of the run's numbers, so a resume may change it)."""
+    raw = cfg.to_dict()
+    raw.get("simulation", {}).pop("checkpoint_every", None)
+    return hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
+
+
+def _digests_accepted(cfg: RunConfig) -> set[str]:
+    """The digest, and the whole-config digest checkpoints written before checkpoint_every could change carry."""
+    return {config_digest(cfg), hashlib.sha256(cfg.to_toml().encode()).hexdigest()}
 
 
 class RunSession:
@@ -74,6 +85,7 @@ class RunSession:
         #: names one checkpoint in both its files (an asynchronous run may save two at one server version)
         self.checkpoint_tag = ""
         self.resumed_tag = ""  # the tag of the checkpoint resume() read
+        self.resumed = False
         self._history_kept: list[dict[str, Any]] | None = None  # metrics.jsonl as resumed, written when the run goes on
         archs = {s.client_id: s.arch for s in parts.slots}
         judged = {s.client_id for s in parts.slots if get_spec(s.model).kind == "classifier"}
@@ -177,7 +189,7 @@ class RunSession:
             raise ConfigError("nothing to resume: the run directory holds no server state",
                               hint="pass the --out folder of the interrupted run, or drop --resume")
         extra = load_state(self.server, self.run_dir.path / STATE_FILE)
-        if extra.get("config_sha256") != config_digest(self.cfg):
+        if extra.get("config_sha256") not in _digests_accepted(self.cfg):
             raise ConfigError(f"the saved server state belongs to another config{_config_changes(self.cfg, self.run_dir.path)}",
                               hint="resume with the interrupted run's config.toml and no --set that changes it")
         if asynchronous and not isinstance(extra.get("carried"), dict):
@@ -192,6 +204,7 @@ class RunSession:
         # written when the run goes on (run()): a resume refused after this leaves the records as they were
         self._history_kept = history if len(lines) != len(history) else None
         self.resumed_tag = str(extra.get("tag", ""))
+        self.resumed = True
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
         policy = self.policy
         policy.history = history
@@ -266,6 +279,8 @@ class RunSession:
         if self._history_kept is not None and self.run_dir is not None:  # records after the resumed checkpoint: played again
             (self.run_dir.path / "metrics.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in self._history_kept))
             self._history_kept = None
+        if self.resumed and self.run_dir is not None:  # a resume may change checkpoint_every: the next one reads it
+            (self.run_dir.path / "config.toml").write_text(self.cfg.to_toml())
         self.trackers = Trackers(self.cfg, self.run_dir.path if self.run_dir else None)
         if isinstance(self.policy, AsyncUpdates) and self.checkpoint_every and self.run_dir is not None:
             policy = self.policy

@@ -148,6 +148,24 @@ def test_a_changed_config_is_refused_naming_what_changed(tmp_path):
     assert (run.path / "live.json").read_text() == live  # the dashboard's picture of the run is left as it was
 
 
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_resume_may_change_how_often_the_run_checkpoints(mode, tmp_path):
+    """checkpoint_every changes none of the numbers: a resume may set another, and config.toml then says it."""
+    make = (lambda every: _config("fedhe", rounds=6, every=every)) if mode == "sync" else (lambda every: _async_config("fedhe", every=every))
+    whole = RunDir.create(tmp_path / "whole", "whole", 0)
+    Simulation(make(2), whole, show_progress=False).run()
+    stopped = RunDir.create(tmp_path / "stopped", "stopped", 0)
+    played: list[int] = []
+    assert Simulation(make(2), stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(
+        should_stop=lambda: len(played) >= 3)["interrupted"]
+    again = Simulation(make(1), RunDir(stopped.path), show_progress=False)
+    again.resume()
+    again.run()
+    assert _records(stopped.path) == _records(whole.path)
+    assert "checkpoint_every = 1" in (stopped.path / "config.toml").read_text()
+
+
 # --- asynchronous runs: the work and messages under way are part of the checkpoint ---------------
 
 def _async_config(method: str, rounds: int = 12, every: int = 2, filters: list | None = None, **settings) -> RunConfig:
