@@ -321,3 +321,23 @@ def test_uploads_that_are_not_a_device_s_current_work_are_refused_and_a_resend_g
         assert reply.type == "ack" and reply.extra["status"] == expected
         assert reply.extra["info"]["staleness"] == 0
     assert loop.version == 1
+
+
+def test_an_asynchronous_run_s_tables_count_per_record_and_per_report(tmp_path):
+    """An asynchronous record selects no one: its bytes are shared out over the reports it counted."""
+    from rich.console import Console
+
+    from edgefl.report import accuracy_table, communication_table, human_bytes
+    from edgefl.rundir import RunDir
+    from edgefl.sim import Simulation
+
+    cfg = async_config("fedhe", rounds=12)
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    Simulation(cfg, run, show_progress=False).run()
+    console = Console(width=200, record=True)
+    console.print(communication_table(run), accuracy_table(run))
+    text = console.export_text()
+    assert "per report" in text and "per client per round" not in text and "best (update)" in text
+    metrics = run.metrics()
+    up = sum(m["bytes_up"] for m in metrics) / sum(m["reports"] for m in metrics)
+    assert human_bytes(up) in text
