@@ -60,6 +60,28 @@ class Rejections:
         return {"count": self.total, "by_reason": dict(self.by_reason.most_common(TOP)),
                 "by_sender": dict(self.by_sender.most_common(TOP))}
 
+    def saved(self) -> dict[str, Any]:
+        """The counts a checkpoint keeps (the recent refusals are not: they are the log's)."""
+        return {"total": self.total, "by_reason": dict(self.by_reason), "by_sender": dict(self.by_sender)}
+
+    @classmethod
+    def from_saved(cls, saved: Any) -> Rejections:
+        """What :meth:`saved` wrote, checked as anything read from a file is: a part that is not
+        counts of the right shape is dropped (the run's refusal count then starts again at zero)."""
+        out = cls()
+        if not isinstance(saved, dict):
+            return out
+        total = saved.get("total")
+        if isinstance(total, int) and not isinstance(total, bool) and 0 <= total < 2**62:
+            out.total = total
+        for name in ("by_reason", "by_sender"):
+            counts = saved.get(name)
+            if isinstance(counts, dict):
+                for key, n in list(counts.items())[:MAX_KEYS + 1]:
+                    if isinstance(key, str) and isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**62:
+                        out._bump(getattr(out, name), key[:120 if name == "by_reason" else 64], n)
+        return out
+
     def merge(self, other: Rejections) -> None:
         self.total += other.total
         for key, n in other.by_reason.items():

@@ -38,6 +38,7 @@ from edgefl.server.clock import RunClock, TransportClock
 from edgefl.server.endpoint import EventSink, ServerEndpoint
 from edgefl.server.policy import RoundPolicy
 from edgefl.server.records import DPSGDLedger
+from edgefl.server.rejections import Rejections
 from edgefl.server.rounds import SyncRounds
 from edgefl.server.shipping import safe_name, write_ship_plan
 from edgefl.server.state import load_state, save_state
@@ -206,6 +207,7 @@ class RunSession:
         self.resumed_tag = str(extra.get("tag", ""))
         self.resumed = True
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
+        self.endpoint.rejections = Rejections.from_saved(extra.get("rejections"))  # the run's count goes on from the checkpoint's
         policy = self.policy
         policy.history = history
         if self.dp_sgd is not None:
@@ -260,7 +262,7 @@ class RunSession:
             self.save_devices(self.run_dir.path / DEVICES_FILE, round_no)
         save_state(self.server, self.run_dir.path / STATE_FILE,
                    {"round": round_no, "tag": self.checkpoint_tag, "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
-                    "device_accuracy": self.evaluator.device_accuracy,
+                    "device_accuracy": self.evaluator.device_accuracy, "rejections": self.endpoint.rejections.saved(),
                     **({"records": len(policy.history)} if asynchronous else {}),
                     **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
                     **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})},

@@ -300,3 +300,37 @@ def test_a_damaged_asynchronous_checkpoint_is_refused_with_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match="asynchronous part cannot be read") as caught:
         Simulation(cfg, RunDir(run.path), show_progress=False).resume()
     assert "start the run again" in caught.value.hint
+
+
+def test_the_run_s_refusal_count_goes_on_from_the_checkpoint(tmp_path):
+    """Stale reports refused before the stop still count in the resumed run's summary."""
+    import json
+
+    cfg = _async_config("fedhe", rounds=12, every=2, staleness_bound=1)
+    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
+    Simulation(cfg, whole, show_progress=False).run()
+    stopped = RunDir.create(tmp_path / "stopped", cfg.name, cfg.seed)
+    played: list[int] = []
+    Simulation(cfg, stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 3)
+    again = Simulation(cfg, RunDir(stopped.path), show_progress=False)
+    again.resume()
+    assert again.session.endpoint.rejections.total > 0  # refused before the checkpoint
+    again.run()
+
+    def refusals(path):
+        return json.loads((path / "summary.json").read_text())["rejections"]
+
+    assert refusals(stopped.path) == refusals(whole.path) and refusals(whole.path)["count"] > 0
+    assert _records(stopped.path) == _records(whole.path)
+
+
+def test_a_checkpoint_s_refusal_counts_are_read_as_untrusted_input():
+    from edgefl.server.rejections import Rejections
+
+    good = Rejections()
+    good.add("dev-1", "stale: trained from server version 3")
+    assert Rejections.from_saved(good.saved()).summary() == good.summary()
+    for hostile in (None, [], {"total": -1}, {"total": True}, {"by_reason": {"x": "9"}}, {"by_sender": {"a": 2**70}}):
+        assert Rejections.from_saved(hostile).total == 0 and not Rejections.from_saved(hostile).by_sender
+    flood = Rejections.from_saved({"total": 5, "by_sender": {f"d{i}": 1 for i in range(10_000)}})
+    assert len(flood.by_sender) <= 201  # the cap on distinct keys holds
