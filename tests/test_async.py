@@ -277,6 +277,7 @@ def test_the_fedhe_paper_preset_is_asynchronous_one_client_at_a_time():
     cfg = load_config(None, preset="fedhe-paper")
     assert cfg.mode == "async" and cfg.asynchronous.concurrency == 1
     assert (cfg.train.max_steps, cfg.train.batch_size, cfg.train.lr, cfg.train.optimizer) == (3, 50, 1e-3, "adam")
+    assert cfg.train.optimizer_state == "kept"  # each client's Adam lives for the run, as in the authors' code
     assert len(cfg.fleet.groups) == 10 and cfg.method.name == "fedhe"
 
 
