@@ -334,3 +334,19 @@ def test_a_checkpoint_s_refusal_counts_are_read_as_untrusted_input():
         assert Rejections.from_saved(hostile).total == 0 and not Rejections.from_saved(hostile).by_sender
     flood = Rejections.from_saved({"total": 5, "by_sender": {f"d{i}": 1 for i in range(10_000)}})
     assert len(flood.by_sender) <= 201  # the cap on distinct keys holds
+
+
+def test_tensors_that_share_a_storage_are_saved_apart_and_a_whole_one_is_not_copied(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from edgefl.server.state import savable
+
+    base = torch.arange(12.0)
+    tied = torch.randn(3, 4)
+    tensors = {"whole": base, "view": base[2:5], "again": base, "tied_a": tied, "tied_b": tied, "t": tied.t()}
+    ready = savable(tensors)
+    assert ready["whole"].data_ptr() == base.data_ptr()  # no second copy of a tensor that owns its storage
+    save_file(ready, str(tmp_path / "s.safetensors"))  # safetensors refuses shared storages: none are left
+    back = load_file(str(tmp_path / "s.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())

@@ -36,7 +36,7 @@ from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
 from edgefl.server.session import DEVICES_FILE, RunSession, model_meta, safe_name
-from edgefl.server.state import decode_tree, encode_tree
+from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
 from edgefl.sim.network import InMemoryNetwork
@@ -122,8 +122,7 @@ class Simulation:
     def _save_devices(self, path: Path, round_no: int) -> None:
         """Every device's carried state (model, method state, filters' state) and the virtual
         clock after ``round_no``, beside the server's state (written after this one)."""
-        tensors = {f"{device}|{name}": t.detach().cpu().contiguous().clone()
-                   for device, loop in sorted(self.network.loops.items()) for name, t in loop.carry_state().items()}
+        tensors = {f"{device}|{name}": t for device, loop in sorted(self.network.loops.items()) for name, t in loop.carry_state().items()}
         net = self.network
         meta = {"format": DEVICES_FORMAT, "round": round_no, "tag": self.session.checkpoint_tag, "devices": sorted(net.loops),
                 "clock": {"now": net.clock, "device_now": net._device_now, "busy_until": dict(net._busy_until)}}
@@ -134,7 +133,7 @@ class Simulation:
             meta["queued"] = skeleton
             tensors.update({f"queued|{k}": t for k, t in queued.items()})
         tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"edgefl": json.dumps(meta)})
+        save_file(savable(tensors), str(tmp), metadata={"edgefl": json.dumps(meta)})
         os.replace(tmp, path)
 
     def resume(self) -> int:
