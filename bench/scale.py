@@ -57,7 +57,8 @@ def scale_config(devices: int, per_round: int, over_select: float, rounds: int, 
         "name": f"scale-{method}-{devices}", "seed": 0, "rounds": rounds, "method": method_table,
         "data": {"dataset": "fashion-mnist", "partition": "iid", "test_samples": 500},
         "train": {"epochs": 1, "batch_size": 8, "max_steps": 2},
-        "eval": {"every": rounds},
+        # the load is the training protocol's: idle devices are not asked to judge their models
+        "eval": {"every": rounds, "unselected": "last_reported"},
         "fleet": {"groups": groups, "per_round": per_round, "over_select": over_select},
         # joining ten thousand devices takes a while: the server's join wait is the round deadline
         "network": {"federation": federation, "round_deadline_s": 300.0, "keepalive_s": 120, "ack_timeout_s": 30.0, "protocol": protocol},

@@ -27,7 +27,7 @@ def crowd(method: str, devices: int, per_round: int, over_select: float, rounds:
                     "per_round": per_round, "over_select": over_select}
     raw["data"] = {"dataset": "digits", "partition": "iid"}
     raw["train"]["max_steps"] = 2
-    raw["eval"] = {"every": rounds}
+    raw["eval"] = {"every": rounds, "unselected": "last_reported"}  # the load is the training protocol's
     return raw
 
 
