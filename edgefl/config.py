@@ -292,8 +292,8 @@ class EvalSettings(Strict):
     batch_size: Whole = Field(1000, ge=1)
     unselected: Literal["ask", "last_reported"] = Field(
         "ask", description="methods judged by their devices (FedHe, Local-only), synchronous rounds: at an evaluation round the "
-                           "devices that did not train in it are asked for their model's accuracy (the record is the mean over "
-                           "every device), or keep the accuracy they last reported (none until one trains in an evaluation round)")
+                           "devices not selected for it are asked for their model's accuracy (the record is the mean over "
+                           "every device; a selected device that did not report keeps its last value), or keep the accuracy they last reported (none until one trains in an evaluation round)")
 
 
 class ClockSettings(Strict):

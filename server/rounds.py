@@ -150,7 +150,7 @@ class SyncRounds(RoundPolicy):
             self.on_event("evaluating", {"round": r})
             t1 = time.perf_counter()
             if self.cfg.eval.unselected == "ask" and self.evaluator.devices_report(self.server):
-                self._ask_untrained(r, {d for d, status in st.reported.items() if status == "accepted"})
+                self._ask_unselected(r, set(st.selected))
             accuracy = self.evaluate(r)
             eval_time = time.perf_counter() - t1
         record = self._record(st, outcome, server_record, accuracy, closed - st.started, train_time, eval_time,
@@ -159,13 +159,15 @@ class SyncRounds(RoundPolicy):
         self.on_event("closed", record)
         return record
 
-    def _ask_untrained(self, r: int, trained: set[str]) -> None:
-        """Ask every online judged device that did not train in round ``r`` for the accuracy of
-        the model it holds (an ``evaluate`` with no body: nothing is loaded). Without this the
-        record would average only the devices that happened to train in an evaluation round,
-        each as it was then (with one device a round, a few of ten, some from long ago)."""
+    def _ask_unselected(self, r: int, selected: set[str]) -> None:
+        """Ask every online judged device not selected for round ``r`` for the accuracy of the
+        model it holds (an ``evaluate`` with no body: nothing is loaded). Without this the record
+        would average only the devices that happened to train in an evaluation round, each as it
+        was then (with one device a round, a few of ten, some from long ago). A selected device
+        that did not report keeps its last value: it may still be training, and a real device
+        answers only after that."""
         ep = self.endpoint
-        idle = [d for d in ep.device_ids if d not in trained and d in self.evaluator.judged and ep.can_take_part(d)]
+        idle = [d for d in ep.device_ids if d not in selected and d in self.evaluator.judged and ep.can_take_part(d)]
         if idle:
             for device, accuracy in self.ask_devices(r, idle, with_model=False).items():
                 self.evaluator.device_reported(device, accuracy)
