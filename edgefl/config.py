@@ -291,9 +291,10 @@ class EvalSettings(Strict):
     every: Whole = Field(1, ge=1, description="evaluate every k rounds (the last round always)")
     batch_size: Whole = Field(1000, ge=1)
     unselected: Literal["ask", "last_reported"] = Field(
-        "ask", description="methods judged by their devices (FedHe, Local-only), synchronous rounds: at an evaluation round the "
+        "ask", description="methods judged by their devices (FedHe, Local-only, CHFL), synchronous rounds: at an evaluation round the "
                            "devices not selected for it are asked for their model's accuracy (the record is the mean over "
-                           "every device; a selected device that did not report keeps its last value), or keep the accuracy they last reported (none until one trains in an evaluation round)")
+                           "every device; one still training keeps its last value), or keep the accuracy they last "
+                           "reported (none until one trains in an evaluation round)")
 
 
 class ClockSettings(Strict):

@@ -102,6 +102,10 @@ class SyncRounds(RoundPolicy):
         #: aggregation), then hand it what they release after the round's stages
         self.collectors = list(collectors or [])
         self.state: RoundState | None = None
+        #: the round just closed, while it is judged: uploads for it that arrive then are listed late in its record
+        self.closing: RoundState | None = None
+        #: device -> the round of a download it has not answered yet (busy: not asked to judge its model)
+        self.working: dict[str, int] = {}
         self.early: dict[str, tuple[Envelope, Message, int]] = {}  # device -> an upload for the next round
         # uploads for the next round are held only just after a restart (the broker delivers what
         # devices queued while the server was down); otherwise an upload for a round that has not
@@ -143,7 +147,7 @@ class SyncRounds(RoundPolicy):
         closed = self.clock.now()
         train_time = time.perf_counter() - wall0
         self._note_stragglers(st)
-        self.state = None
+        self.state, self.closing = None, st
         self.last_round = r
         accuracy, eval_time = None, 0.0
         if outcome != "failed" and evaluate:
@@ -153,6 +157,7 @@ class SyncRounds(RoundPolicy):
                 self._ask_unselected(r, set(st.selected))
             accuracy = self.evaluate(r)
             eval_time = time.perf_counter() - t1
+        self.closing = None
         record = self._record(st, outcome, server_record, accuracy, closed - st.started, train_time, eval_time,
                               time.perf_counter() - wall0)
         self.history.append(record)
@@ -167,7 +172,8 @@ class SyncRounds(RoundPolicy):
         that did not report keeps its last value: it may still be training, and a real device
         answers only after that."""
         ep = self.endpoint
-        idle = [d for d in ep.device_ids if d not in selected and d in self.evaluator.judged and ep.can_take_part(d)]
+        idle = [d for d in ep.device_ids if d not in selected and d not in self.working and d in self.evaluator.judged
+                and ep.can_take_part(d)]
         if idle:
             for device, accuracy in self.ask_devices(r, idle, with_model=False).items():
                 self.evaluator.device_reported(device, accuracy)
@@ -178,6 +184,7 @@ class SyncRounds(RoundPolicy):
         info = {"info": {"run": self.endpoint.run_id, **({"evaluate": True} if evaluate and self.evaluator.devices_report(self.server) else {})}}
         for device in st.taking_part():
             st.downloads[device], body_bytes, sent = self.endpoint.send_download(device, st.round, self.server.downlink(st.round, device), info)
+            self.working[device] = st.round
             st.tally.download(device, body_bytes, sent)
         self.on_event("round", {"round": st.round, "selected": st.selected, "deadline_unix": time.time() + self.deadline_s})
         for device, (early, message, size) in sorted(self.early.items()):
@@ -309,6 +316,10 @@ class SyncRounds(RoundPolicy):
         if message.round < 1:
             ep.refuse(device, env, "rounds start at 1")
             return
+        if self.working.get(device, message.round + 1) <= message.round:  # its work is done (whatever the server makes of it)
+            del self.working[device]
+        # between rounds, an upload for the round being judged is listed late in its record
+        closing = self.closing if st is None and self.closing is not None and message.round == self.closing.round else None
         closed = st is None or st.full
         if not self.spec.asynchronous and (st is None or (st.full and message.round == current)):
             # between rounds (or once the round has its target) a synchronous server must not hold
@@ -318,6 +329,9 @@ class SyncRounds(RoundPolicy):
             if st is not None:
                 st.tally.late.append(device)
                 st.receipts.setdefault(device, "late: after the round reached its target")
+            elif closing is not None:
+                closing.tally.late.append(device)
+                closing.receipts.setdefault(device, "late: after the round closed")
             self.on_event("late", {"device": device, "round": message.round, "status": "late"})
             return
         if st is not None and message.round == current and device not in st.chosen:
@@ -342,6 +356,10 @@ class SyncRounds(RoundPolicy):
         if message.meta.get("eval_accuracy") is not None and receipt_status != "duplicate":
             self.evaluator.device_reported(device, message.meta["eval_accuracy"])
         if st is None:
+            if closing is not None and receipt_status != "duplicate":
+                closing.tally.late.append(device)
+                closing.receipts.setdefault(device, f"late: {reason}" if reason else "late")
+                self.on_event("late", {"device": device, "round": message.round, "status": receipt_status})
             return
         if receipt_status == "duplicate" and message.round < current:
             return  # a replay of an upload already counted in its own round

@@ -62,9 +62,19 @@ def config_digest(cfg: RunConfig) -> str:
     return hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
 
 
-def _digests_accepted(cfg: RunConfig) -> set[str]:
-    """The digest, and the whole-config digest checkpoints written before checkpoint_every could change carry."""
-    return {config_digest(cfg), hashlib.sha256(cfg.to_toml().encode()).hexdigest()}
+#: settings added since checkpoints were first written, with the value that gives an older run's numbers
+ADDED_SINCE = {("eval", "unselected"): "last_reported"}
+
+
+def legacy_digests(cfg: RunConfig) -> set[str]:
+    """What a checkpoint written by an older edgefl carries for this config: the whole config
+    (checkpoint_every included), without the settings added since."""
+    raw = cfg.to_dict()
+    for (table, key) in ADDED_SINCE:
+        raw.get(table, {}).pop(key, None)
+    whole = hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
+    raw.get("simulation", {}).pop("checkpoint_every", None)
+    return {whole, hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()}
 
 
 class RunSession:
@@ -190,7 +200,13 @@ class RunSession:
             raise ConfigError("nothing to resume: the run directory holds no server state",
                               hint="pass the --out folder of the interrupted run, or drop --resume")
         extra = load_state(self.server, self.run_dir.path / STATE_FILE)
-        if extra.get("config_sha256") not in _digests_accepted(self.cfg):
+        saved_digest = extra.get("config_sha256")
+        if saved_digest != config_digest(self.cfg) and saved_digest in legacy_digests(self.cfg):
+            for (table, key), older in ADDED_SINCE.items():  # the older run's numbers go on as they were
+                if getattr(getattr(self.cfg, table), key) != older:
+                    log.warning("the checkpoint predates %s.%s: the run goes on with %r, as it began", table, key, older)
+                    setattr(getattr(self.cfg, table), key, older)
+        elif saved_digest != config_digest(self.cfg):
             raise ConfigError(f"the saved server state belongs to another config{_config_changes(self.cfg, self.run_dir.path)}",
                               hint="resume with the interrupted run's config.toml and no --set that changes it")
         if asynchronous and not isinstance(extra.get("carried"), dict):
@@ -220,6 +236,10 @@ class RunSession:
                                   "it was written by another edgefl or damaged", hint="start the run again") from None
         else:
             assert isinstance(policy, SyncRounds)
+            working = extra.get("working")  # devices whose download was not answered yet: not asked to judge their models
+            known = set(self.endpoint.device_ids)
+            policy.working = {d: r for d, r in working.items() if d in known and type(r) is int and 0 < r <= done} \
+                if isinstance(working, dict) else {}
             policy.last_round = self.endpoint.model_version = done
             policy.accept_early = True  # uploads devices queued while the server was down
         if isinstance(extra.get("run_id"), str):
@@ -263,7 +283,7 @@ class RunSession:
         save_state(self.server, self.run_dir.path / STATE_FILE,
                    {"round": round_no, "tag": self.checkpoint_tag, "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
                     "device_accuracy": self.evaluator.device_accuracy, "rejections": self.endpoint.rejections.saved(),
-                    **({"records": len(policy.history)} if asynchronous else {}),
+                    **({"records": len(policy.history)} if asynchronous else {"working": dict(policy.working)}),
                     **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
                     **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})},
                    carried=policy.state() if isinstance(policy, AsyncUpdates) else None)

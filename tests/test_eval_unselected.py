@@ -52,3 +52,66 @@ def test_a_fleet_asks_its_idle_devices_as_the_simulation_does(tmp_path):
     assert _records(tmp_path / "fleet") == _records(tmp_path / "sim")
     assert _summary(tmp_path / "fleet") == _summary(tmp_path / "sim")
     assert len(_records(tmp_path / "sim")[-1]["accuracy"]["per_client"]) == 4
+
+
+def test_over_selected_devices_still_training_are_not_asked_and_their_late_uploads_are_listed():
+    """Three selected, the round closes at two: the third is late. Every other device is asked."""
+    raw = digits_config("fedhe", rounds=4)
+    raw["fleet"].update(per_round=1, over_select=1.0)  # two selected, the first accepted closes the round
+    raw["eval"] = {"every": 2}
+    raw["threads"] = 1
+    sim = Simulation(RunConfig.model_validate(raw), show_progress=False)
+    sim.run()
+    devices = sorted(sim.network.loops)
+    for record in sim.history:
+        assert len(record["selected"]) == 2 and record["accepted"] == 1
+        if record["accuracy"]:
+            assert sorted(record["accuracy"]["per_client"]) == devices
+    # every over-selected upload is listed late: in the next round's record, or in its own when it
+    # arrived while its round was judged (the last round's did)
+    assert sum(len(r["late"]) for r in sim.history) == 4
+    assert sim.history[-1]["receipts"][next(d for d in sim.history[-1]["selected"] if d not in sim.history[-1]["reported"])].startswith("late")
+    assert not sim.session.policy.working  # every download was answered
+
+
+def test_a_resumed_run_asks_as_the_uninterrupted_one_did(tmp_path):
+    cfg = _one_device_a_round("fedhe").model_copy(deep=True)
+    cfg.rounds = 6
+    cfg.simulation.checkpoint_every = 2
+    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
+    Simulation(cfg, whole, show_progress=False).run()
+    stopped = RunDir.create(tmp_path / "stopped", cfg.name, cfg.seed)
+    played: list[int] = []
+    Simulation(cfg, stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 3)
+    again = Simulation(cfg, RunDir(stopped.path), show_progress=False)
+    assert again.resume() == 4
+    again.run()
+    assert _records(stopped.path) == _records(whole.path)
+    assert all(len(r["accuracy"]["per_client"]) == 4 for r in _records(whole.path) if r["accuracy"])
+
+
+def test_a_straggler_still_training_is_not_asked():
+    """On the virtual clock a Pi Zero misses the deadline and trains on into the next round: the
+    evaluation ask leaves it out (a real device would answer only after its training, holding the
+    ask to its deadline), and asks the idle devices."""
+    raw = digits_config("fedhe", rounds=6)
+    raw["fleet"] = {"sample_ratio": 0.5, "groups": [
+        {"model": "mlp", "count": 2, "profile": "pi4-4gb", "options": {"hidden": [16]}},
+        {"model": "mlp", "count": 2, "profile": "pi-zero-2w", "options": {"hidden": [16]}}]}
+    raw["clock"] = {"deadline_s": 0.005}
+    raw["network"] = {"quorum": 0.5}
+    raw["threads"] = 1
+    sim = Simulation(RunConfig.model_validate(raw), show_progress=False)
+    policy = sim.session.policy
+    asks: list[tuple[list[str], set[str]]] = []
+    real = policy.ask_devices
+
+    def watched(r, targets, with_model=True):
+        asks.append((list(targets), set(policy.working)))
+        return real(r, targets, with_model)
+
+    policy.ask_devices = watched
+    sim.run()
+    assert any("straggler" in receipt for r in sim.history for receipt in r["receipts"].values())
+    assert asks and all(not set(targets) & working for targets, working in asks)
+    assert any(working for _, working in asks)  # some ask came while a straggler was still training

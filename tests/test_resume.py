@@ -350,3 +350,59 @@ def test_tensors_that_share_a_storage_are_saved_apart_and_a_whole_one_is_not_cop
     save_file(ready, str(tmp_path / "s.safetensors"))  # safetensors refuses shared storages: none are left
     back = load_file(str(tmp_path / "s.safetensors"))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_a_checkpoint_from_before_eval_unselected_resumes_with_the_numbers_it_began_with(tmp_path):
+    """A checkpoint written by an older edgefl carries the whole-config digest of a config without
+    eval.unselected: it resumes, going on as that run began (last_reported)."""
+    import hashlib
+    import json
+
+    import tomli_w
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def config(unselected: str) -> RunConfig:
+        raw = method_config("fedhe", rounds=4)
+        raw.update(threads=1, eval={"every": 2, "unselected": unselected})
+        raw["fleet"]["sample_ratio"] = 0.5
+        raw.setdefault("simulation", {})["checkpoint_every"] = 2
+        return RunConfig.model_validate(raw)
+
+    old = config("last_reported")
+    whole = RunDir.create(tmp_path / "whole", old.name, old.seed)
+    Simulation(old, whole, show_progress=False).run()
+    stopped = RunDir.create(tmp_path / "stopped", old.name, old.seed)
+    played: list[int] = []
+    Simulation(old, stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 2)
+    # make the run directory look as an older edgefl left it: no eval.unselected anywhere
+    raw = old.to_dict()
+    del raw["eval"]["unselected"]
+    (stopped.path / "config.toml").write_text(tomli_w.dumps(raw))
+    state = stopped.path / "server-state.safetensors"
+    with safe_open(str(state), framework="pt") as f:
+        meta = json.loads(f.metadata()["edgefl"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta["extra"]["config_sha256"] = hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
+    save_file(tensors, str(state), metadata={"edgefl": json.dumps(meta)})
+
+    from edgefl.config import load_config
+
+    resumed_cfg = load_config(stopped.path / "config.toml", [])
+    assert resumed_cfg.eval.unselected == "ask"  # today's default, which the older run did not have
+    again = Simulation(resumed_cfg, RunDir(stopped.path), show_progress=False)
+    again.resume()
+    assert again.cfg.eval.unselected == "last_reported"
+    again.run()
+    assert _records(stopped.path) == _records(whole.path)
+
+
+def test_a_resume_that_turns_checkpoints_off_says_so(tmp_path):
+    cfg = _config("fedavg", rounds=2, every=1)
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    played: list[int] = []
+    Simulation(cfg, run, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 1)
+    off = _config("fedavg", rounds=2, every=0)
+    with pytest.raises(ConfigError, match="a resume needs checkpoints") as exc:
+        Simulation(off, RunDir(run.path), show_progress=False).resume()
+    assert "checkpoint_every=0" in exc.value.hint

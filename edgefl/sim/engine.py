@@ -142,6 +142,9 @@ class Simulation:
         if not self.session.checkpoint_every:
             why = ("it spreads devices over worker processes, whose states are not saved (run it with --set simulation.workers=1 "
                    "to checkpoint)" if self.hosts else "simulation.checkpoint_every is 0")
+            if not self.hosts and self.run_dir is not None and (self.run_dir.path / DEVICES_FILE).is_file():
+                raise ConfigError("a resume needs checkpoints, and simulation.checkpoint_every is 0 here (the run's own "
+                                  "config checkpointed)", hint="resume without --set simulation.checkpoint_every=0")
             raise ConfigError(f"this run cannot be resumed: {why}", hint="start it again")
         first = self.session.resume()
         path = self.run_dir.path / DEVICES_FILE  # type: ignore[union-attr]
