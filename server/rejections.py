@@ -79,7 +79,7 @@ class Rejections:
             if isinstance(counts, dict):
                 for key, n in list(counts.items())[:MAX_KEYS + 1]:
                     if isinstance(key, str) and isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**62:
-                        out._bump(getattr(out, name), key[:120 if name == "by_reason" else 64], n)
+                        cls._bump(getattr(out, name), key[:120 if name == "by_reason" else 64], n)
         out.total = max(out.total, sum(out.by_reason.values()), sum(out.by_sender.values()))  # a dropped total is not 0
         return out
 

@@ -34,7 +34,7 @@ class _Encoder:
         self.tensors: dict[str, torch.Tensor] = {}
         self._whole_storages: set[int] = set()  # storages already saved whole: another tensor on one is copied
 
-    def _own(self, t: torch.Tensor) -> torch.Tensor:
+    def owned(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` itself when it is the whole of a storage not saved yet, else a copy: safetensors
         cannot save views of one storage apart, and copying every tensor would briefly hold a
         second copy of the whole state (hundreds of MB for FedMHO's full-width VGG-9s)."""
@@ -50,7 +50,7 @@ class _Encoder:
             return obj
         if isinstance(obj, torch.Tensor):
             key = f"t{len(self.tensors)}"
-            self.tensors[key] = self._own(obj.detach().cpu().contiguous())
+            self.tensors[key] = self.owned(obj.detach().cpu().contiguous())
             return {"__tensor__": key}
         if isinstance(obj, bytes):  # an envelope kept to send again: its bytes as a uint8 tensor
             key = f"t{len(self.tensors)}"
@@ -122,9 +122,9 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], existing: Any = None) -
 
 def savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` ready for safetensors' ``save_file``: on the CPU, contiguous, and copied only
-    where two of them share a storage (see :meth:`_Encoder._own`)."""
+    where two of them share a storage (see :meth:`_Encoder.owned`)."""
     enc = _Encoder()
-    return {name: enc._own(t.detach().cpu().contiguous()) for name, t in tensors.items()}
+    return {name: enc.owned(t.detach().cpu().contiguous()) for name, t in tensors.items()}
 
 
 def encode_tree(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ from edgefl.rundir import RunDir
 from edgefl.sim import Simulation
 from tests.conftest import digits_config
 from tests.test_every_method import _records, _summary
+from tests.test_resume import stopped_and_resumed
 
 
 def _one_device_a_round(method: str, unselected: str = "ask") -> RunConfig:
@@ -78,16 +79,9 @@ def test_a_resumed_run_asks_as_the_uninterrupted_one_did(tmp_path):
     cfg = _one_device_a_round("fedhe").model_copy(deep=True)
     cfg.rounds = 6
     cfg.simulation.checkpoint_every = 2
-    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
-    Simulation(cfg, whole, show_progress=False).run()
-    stopped = RunDir.create(tmp_path / "stopped", cfg.name, cfg.seed)
-    played: list[int] = []
-    Simulation(cfg, stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 3)
-    again = Simulation(cfg, RunDir(stopped.path), show_progress=False)
-    assert again.resume() == 4
-    again.run()
-    assert _records(stopped.path) == _records(whole.path)
-    assert all(len(r["accuracy"]["per_client"]) == 4 for r in _records(whole.path) if r["accuracy"])
+    whole, stopped = stopped_and_resumed(cfg, tmp_path)
+    assert _records(stopped) == _records(whole)
+    assert all(len(r["accuracy"]["per_client"]) == 4 for r in _records(whole) if r["accuracy"])
 
 
 def test_a_straggler_still_training_is_not_asked():

@@ -39,6 +39,25 @@ CASES = {
 }
 
 
+def stopped_and_resumed(cfg: RunConfig, tmp_path, stop_after: int = 3, resume_with: RunConfig | None = None,
+                        on_resume=None) -> tuple:
+    """Run ``cfg`` whole, and again stopped after ``stop_after`` records and resumed (with
+    ``resume_with``, when given; ``on_resume(sim)`` sees the resumed simulation before it goes on);
+    the two run directories' paths."""
+    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
+    Simulation(cfg, whole, show_progress=False).run()
+    stopped = RunDir.create(tmp_path / "stopped", cfg.name, cfg.seed)
+    played: list[int] = []
+    assert Simulation(cfg, stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(
+        should_stop=lambda: len(played) >= stop_after)["interrupted"]
+    again = Simulation(resume_with or cfg, RunDir(stopped.path), show_progress=False)
+    again.resume()
+    if on_resume is not None:
+        on_resume(again)
+    again.run()
+    return whole.path, stopped.path
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_stopped_and_resumed_run_writes_what_an_uninterrupted_one_writes(case, tmp_path):
     method, filters = CASES[case]
@@ -153,17 +172,9 @@ def test_a_changed_config_is_refused_naming_what_changed(tmp_path):
 def test_a_resume_may_change_how_often_the_run_checkpoints(mode, tmp_path):
     """checkpoint_every changes none of the numbers: a resume may set another, and config.toml then says it."""
     make = (lambda every: _config("fedhe", rounds=6, every=every)) if mode == "sync" else (lambda every: _async_config("fedhe", every=every))
-    whole = RunDir.create(tmp_path / "whole", "whole", 0)
-    Simulation(make(2), whole, show_progress=False).run()
-    stopped = RunDir.create(tmp_path / "stopped", "stopped", 0)
-    played: list[int] = []
-    assert Simulation(make(2), stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(
-        should_stop=lambda: len(played) >= 3)["interrupted"]
-    again = Simulation(make(1), RunDir(stopped.path), show_progress=False)
-    again.resume()
-    again.run()
-    assert _records(stopped.path) == _records(whole.path)
-    assert "checkpoint_every = 1" in (stopped.path / "config.toml").read_text()
+    whole, stopped = stopped_and_resumed(make(2), tmp_path, resume_with=make(1))
+    assert _records(stopped) == _records(whole)
+    assert "checkpoint_every = 1" in (stopped / "config.toml").read_text()
 
 
 # --- asynchronous runs: the work and messages under way are part of the checkpoint ---------------
@@ -307,21 +318,15 @@ def test_the_run_s_refusal_count_goes_on_from_the_checkpoint(tmp_path):
     import json
 
     cfg = _async_config("fedhe", rounds=12, every=2, staleness_bound=1)
-    whole = RunDir.create(tmp_path / "whole", cfg.name, cfg.seed)
-    Simulation(cfg, whole, show_progress=False).run()
-    stopped = RunDir.create(tmp_path / "stopped", cfg.name, cfg.seed)
-    played: list[int] = []
-    Simulation(cfg, stopped, show_progress=False, on_round=lambda r: played.append(r["round"])).run(should_stop=lambda: len(played) >= 3)
-    again = Simulation(cfg, RunDir(stopped.path), show_progress=False)
-    again.resume()
-    assert again.session.endpoint.rejections.total > 0  # refused before the checkpoint
-    again.run()
+    counted_before: list[int] = []
+    whole, stopped = stopped_and_resumed(cfg, tmp_path, on_resume=lambda sim: counted_before.append(sim.session.endpoint.rejections.total))
+    assert counted_before[0] > 0  # refused before the checkpoint
 
     def refusals(path):
         return json.loads((path / "summary.json").read_text())["rejections"]
 
-    assert refusals(stopped.path) == refusals(whole.path) and refusals(whole.path)["count"] > 0
-    assert _records(stopped.path) == _records(whole.path)
+    assert refusals(stopped) == refusals(whole) and refusals(whole)["count"] > 0
+    assert _records(stopped) == _records(whole)
 
 
 def test_a_checkpoint_s_refusal_counts_are_read_as_untrusted_input():
