@@ -354,7 +354,8 @@ def accuracy_table(run: RunDir) -> Table:
         table.add_row(arch, str(counts.get(arch, "")), f"{final['per_arch'][arch]:.4f}",
                       f"{best['accuracy']['per_arch'][arch]:.4f} ({best['round']})", *versus(arch))
     best = max(evaluated, key=lambda m: m["accuracy"]["overall"])
-    judged = sum(counts.get(arch, 0) for arch in final["per_arch"])  # generator clients are not judged
+    # the devices the record judged (with eval.unselected = "last_reported", perhaps not all); generator clients are not judged
+    judged = len(final["per_client"]) if final.get("per_client") else sum(counts.get(arch, 0) for arch in final["per_arch"])
     table.add_row(f"[bold]overall ({OVERALL})", str(judged or ""), f"[bold]{final['overall']:.4f}",
                   f"{best['accuracy']['overall']:.4f} ({best['round']})", *versus(None))
     return table

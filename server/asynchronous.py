@@ -343,7 +343,7 @@ class AsyncUpdates(RoundPolicy):
         self.on_event("evaluating", {"round": version})
         t1 = time.perf_counter()
         if self.settings.device_accuracy == "at_records" and self.evaluator.devices_report(self.server):
-            self._ask_idle()
+            self.judge_idle(self.version, self.tickets)  # busy devices keep their last value
         accuracy = self.evaluate(self.version)
         eval_s = time.perf_counter() - t1
         accepted = w.tally.accepted
@@ -380,16 +380,6 @@ class AsyncUpdates(RoundPolicy):
         self.asked = set()
         self._dirty = True
         return record
-
-    def _ask_idle(self) -> None:
-        """Ask every idle online device for the accuracy of its model now (an ``evaluate`` with
-        no body: nothing is loaded); answers count as its latest reported accuracy."""
-        ep = self.endpoint
-        idle = [d for d in ep.device_ids if d not in self.tickets and ep.can_take_part(d) and d in self.evaluator.judged]
-        if not idle:
-            return
-        for device, accuracy in self.ask_devices(self.version, idle, with_model=False).items():
-            self.evaluator.device_reported(device, accuracy)
 
     # --- checkpoints ----------------------------------------------------------------------------
     def quiescent(self) -> bool:

@@ -108,6 +108,16 @@ class RoundPolicy(ABC):
         answers = self.ask_devices(r, targets) if targets else {}
         return self.evaluator.evaluate(self.server, answers)
 
+    def judge_idle(self, r: int, busy: set[str] | dict[str, Any]) -> None:
+        """Ask every online judged device not in ``busy`` for the accuracy of the model it holds
+        (an ``evaluate`` with no body: nothing is loaded); answers count as its latest reported
+        accuracy. A busy device keeps its last value: a real one would answer only after its work."""
+        ep = self.endpoint
+        idle = [d for d in ep.device_ids if d not in busy and d in self.evaluator.judged and ep.can_take_part(d)]
+        if idle:
+            for device, accuracy in self.ask_devices(r, idle, with_model=False).items():
+                self.evaluator.device_reported(device, accuracy)
+
     def ask_devices(self, r: int, targets: list[str], with_model: bool = True) -> dict[str, float]:
         """Send ``targets`` an evaluate request (carrying what a download of round r + 1 would,
         or nothing: judge the model you hold) and collect their accuracies until the deadline."""

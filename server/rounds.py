@@ -165,18 +165,11 @@ class SyncRounds(RoundPolicy):
         return record
 
     def _ask_unselected(self, r: int, selected: set[str]) -> None:
-        """Ask every online judged device not selected for round ``r`` for the accuracy of the
-        model it holds (an ``evaluate`` with no body: nothing is loaded). Without this the record
-        would average only the devices that happened to train in an evaluation round, each as it
-        was then (with one device a round, a few of ten, some from long ago). A selected device
-        that did not report keeps its last value: it may still be training, and a real device
-        answers only after that."""
-        ep = self.endpoint
-        idle = [d for d in ep.device_ids if d not in selected and d not in self.working and d in self.evaluator.judged
-                and ep.can_take_part(d)]
-        if idle:
-            for device, accuracy in self.ask_devices(r, idle, with_model=False).items():
-                self.evaluator.device_reported(device, accuracy)
+        """Judge the devices not selected for round ``r`` and not still working on an earlier
+        download: without this the record would average only the devices that happened to train
+        in an evaluation round, each as it was then (with one device a round, a few of ten, some
+        from long ago)."""
+        self.judge_idle(r, selected | set(self.working))
 
     def _train(self, st: RoundState, evaluate: bool) -> str:
         """The training exchange: downloads to the devices taking part, uploads until the round closes."""

@@ -54,12 +54,16 @@ STATE_FILE = "server-state.safetensors"
 TIMING_FIELDS = ("round_time_s", "train_time_s", "eval_time_s", "elapsed_s", "closed_unix", "last_accepted_unix")  # wall clock: differs run to run
 
 
+def _digest(raw: dict[str, Any]) -> str:
+    return hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
+
+
 def config_digest(cfg: RunConfig) -> str:
     """What a checkpoint must be resumed with: the config, less how often it checkpoints (that
     changes none of the run's numbers, so a resume may change it)."""
     raw = cfg.to_dict()
     raw.get("simulation", {}).pop("checkpoint_every", None)
-    return hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
+    return _digest(raw)
 
 
 #: settings added since checkpoints were first written, with the value that gives an older run's numbers
@@ -72,9 +76,9 @@ def legacy_digests(cfg: RunConfig) -> set[str]:
     raw = cfg.to_dict()
     for (table, key) in ADDED_SINCE:
         raw.get(table, {}).pop(key, None)
-    whole = hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
+    whole = _digest(raw)
     raw.get("simulation", {}).pop("checkpoint_every", None)
-    return {whole, hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()}
+    return {whole, _digest(raw)}
 
 
 class RunSession:
@@ -385,7 +389,7 @@ def _config_changes(cfg: RunConfig, run_dir: Path) -> str:
         return ""
     now = flat(tomllib.loads(cfg.to_toml()))
     changed = [f"{k} {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k)]
+               if saved.get(k) != now.get(k) and k != "simulation.checkpoint_every"]  # the one change a resume may make
     return f": {', '.join(changed[:5])}" + (" ..." if len(changed) > 5 else "") if changed else ""
 
 

@@ -109,3 +109,19 @@ def test_a_straggler_still_training_is_not_asked():
     assert any("straggler" in receipt for r in sim.history for receipt in r["receipts"].values())
     assert asks and all(not set(targets) & working for targets, working in asks)
     assert any(working for _, working in asks)  # some ask came while a straggler was still training
+
+
+def test_the_accuracy_table_counts_the_devices_the_record_judged(tmp_path):
+    from rich.console import Console
+
+    from edgefl.report import accuracy_table
+
+    cfg = _one_device_a_round("fedhe", "last_reported")
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    Simulation(cfg, run, show_progress=False).run()
+    judged = len(run.metrics()[-1]["accuracy"]["per_client"])
+    assert judged < 4
+    console = Console(width=200, record=True)
+    console.print(accuracy_table(run))
+    overall = next(line for line in console.export_text().splitlines() if "overall" in line)
+    assert [cell.strip() for cell in overall.split("│")][2] == str(judged)  # the clients column
