@@ -1,0 +1,368 @@
+"""Felo side by side: the authors' public code (ChanYunHin/Felo_Velo, PyTorch) and edgefl's ``felo``,
+each against its own local-only training, on the same Fashion-MNIST split, the same clients
+sampled the same way, the same optimiser, batches and length, on this machine (issue 38, item 3).
+
+The two sides train different ResNets: the authors' are their own (a 3x3 stem with max pooling,
+three stages of bottleneck-like blocks whose depth comes from re-applying one shared block, a
+1024-channel feature at 32x32 input); edgefl's are torchvision's BasicBlock ResNet10-26. So the
+comparison is of what each method adds to its own models: Felo's accuracy minus local-only
+training's, on each side, as well as the two Felo numbers. edgefl's Felo runs twice: as the paper
+has it (weights averaged among the clients of one architecture) and with personal models, as the
+authors' code has it (no weights averaged at all; ``edgefl_config(personal=True)``).
+
+The authors' code runs from ``--authors-dir`` (a checkout of their repository; nothing of it is
+copied here): their ``modules.Server_op.Server`` (Felo; their README: "op is Felo") and its
+``asynchronous_training`` loop, unchanged. What this script changes around it:
+
+* three modules their code imports exist in their repository only as compiled ``.pyc`` files
+  (``modules/utils``, ``Model``, ``GAN_model``), and a few imports are unused on this path
+  (``tkinter``, ``numpy.lib.function_base``, ``objgraph``, ``pandas``, TensorBoard): small
+  stand-ins are placed in ``sys.modules``; TensorBoard's writer is a no-op.
+* their ``Dataset`` (torchvision download of Fashion-MNIST, ``ToTensor`` then ``Resize(32)``) is
+  replaced by edgefl's Fashion-MNIST in [0, 1] resized to 32x32 the same way (bilinear), split as
+  edgefl splits it: their client ``k`` gets edgefl's device ``k`` (both lists run from the smallest
+  ResNet to the largest, two clients each); their test set is edgefl's fixed test subset.
+* their ResNets are narrowed by ``--width`` (every convolution's and BatchNorm's channel count,
+  and ``args.latent_size``, the feature width): at full width a run of this length takes hours here.
+* their per-iteration seed (``torch.random.seed()``, Server_op.py:385) is drawn from a generator
+  seeded by ``--seed``; NumPy's and torch's global generators are seeded before their server is
+  built, so a run is repeatable.
+* their in-loop evaluation (every 1 % of the run, every client over the test set) runs only at
+  ``--curve`` points; the final numbers come from their own ``Server.evaluate`` on every client.
+
+Local-only on their side is their own switch: the same run without ``--y_distillation_flag``
+(Server_op.py:453), i.e. no features or logits in the loss. edgefl's side runs ``felo`` with the
+authors' settings where edgefl has them (alpha 0.5, MSE on logits, CE only for the first 5 %,
+Adam 1e-3 kept for the run, 10 batches of 50 per selection, 2 of 10 clients an iteration) and
+``local`` with the same training. What edgefl does not do as their code does is listed in
+docs/methods.md ("Felo and Velo beside the authors' code").
+
+    python bench/authors_felo.py --authors-dir /tmp/authors/Felo_Velo [--iterations 200] [--seed 0]
+        [--partition iid|dirichlet] [--width 0.25] [--test-samples 2000] [--sides authors,edgefl]
+        [--threads 2] [--tag NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from common import load, save
+
+from edgefl.build import build_run
+from edgefl.config import validate_config
+from edgefl.sim import Simulation
+
+NUM_CLIENTS = 10  # their model table is written for ten clients (Server_op.py:138-148)
+SAMPLE_RATIO = 0.2
+STEPS, BATCH = 10, 50  # their client: clients_training_epoch (10) batches of batch_size (50) per selection
+RESNETS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
+
+_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START:7.0f} s] {msg}", flush=True)
+
+
+# --- edgefl's side -----------------------------------------------------------------------------
+
+def edgefl_config(args, method: str, personal: bool = False) -> dict:
+    """``personal``: every device its own architecture group, so no weights are averaged and each
+    device trains on its own model from round to round, as the authors' code does (it never sets a
+    client's weights outside its asynchronous-FedAvg branch, Server_op.py:478-481). edgefl averages
+    within an architecture (the paper, Algorithm 1 line 5); a group is its model and options, so a
+    width that rounds to the same channel counts (0.25 + k * 1e-6) makes ten groups of one."""
+    m: dict = {"name": method}
+    if method == "felo":
+        m.update(alpha=0.5, logit_loss="mse", feature_dim=args.feature_dim)
+    return {
+        "name": f"authors-felo-{method}", "seed": args.seed, "rounds": args.iterations, "threads": args.threads,
+        "method": m,
+        "data": {"dataset": "fashion-mnist", "partition": args.partition, "alpha": args.alpha,
+                 "test_samples": args.test_samples},
+        "train": {"epochs": 1, "max_steps": STEPS, "batch_size": BATCH, "optimizer": "adam", "lr": 1e-3,
+                  "optimizer_state": "kept"},
+        "fleet": {"sample_ratio": SAMPLE_RATIO,
+                  "groups": [{"model": d, "count": 1 if personal else 2,
+                              "options": {"width": args.width + (1e-6 * (2 * i + k) if personal else 0.0), "stem": "imagenet",
+                                          "feature_dim": args.feature_dim}}
+                             for i, d in enumerate(RESNETS) for k in range(2 if personal else 1)]},
+        "eval": {"every": max(1, args.iterations // args.curve)},
+        "simulation": {"checkpoint_every": 0},
+    }
+
+
+def run_edgefl(raw: dict, ds, label: str) -> dict:
+    cfg = validate_config(raw, "authors_felo config")
+
+    def on_record(rec: dict) -> None:
+        acc = (rec.get("accuracy") or {}).get("overall")
+        if acc is not None:
+            log(f"edgefl {label}: round {rec.get('round')}: mean accuracy {acc:.4f}")
+
+    sim = Simulation(cfg, None, dataset=ds, show_progress=False, on_round=on_record)
+    summary = sim.run()
+    final = summary["final_accuracy"]
+    curve = [(h["round"], h["accuracy"]["overall"]) for h in sim.history if h.get("accuracy")]
+    per_model = {name: float(np.mean([acc for arch, acc in final["per_arch"].items() if arch.split("(")[0] == name]))
+                 for name in RESNETS}
+    return {"own": final["overall"], "per_model": per_model, "per_arch": final["per_arch"], "curve": curve}
+
+
+# --- the authors' side -------------------------------------------------------------------------
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+class _NoWriter:
+    def __init__(self, *a, **k) -> None: ...
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def install_stand_ins() -> None:
+    """What their imports need on this path and their repository lacks (source) or this machine lacks."""
+    class _Unused:
+        def __init__(self, *a, **k) -> None:
+            raise RuntimeError("the authors' CNN path is not used here (--resnet_flag)")
+
+    for name, attrs in {
+        "modules.utils": {"get_model_mask": lambda a: "felo", "get_tb_logs_name": lambda a: "unused"},
+        "modules.Model": {"ClientModel": _Unused, "ClientModel_2CNN": _Unused},
+        "modules.old_Model": {"ClientModel": _Unused, "ClientModel_2CNN": _Unused},
+        "modules.GAN_model": {},
+        "tkinter": {"X": "x"},
+        "numpy.lib.function_base": {"select": np.select, "gradient": np.gradient},
+        "objgraph": {}, "pandas": {}, "pdb": {"set_trace": lambda *a, **k: None},
+        "torch.utils.tensorboard": {"SummaryWriter": _NoWriter},
+        "tqdm": {"tqdm": lambda it, *a, **k: it},
+    }.items():
+        sys.modules[name] = _module(name, **attrs)
+    if "psutil" not in sys.modules:
+        try:
+            import psutil  # noqa: F401
+        except ImportError:
+            sys.modules["psutil"] = _module("psutil")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        plt = _module("matplotlib.pyplot")
+        sys.modules["matplotlib"] = _module("matplotlib", pyplot=plt, use=lambda *a: None)
+        sys.modules["matplotlib.pyplot"] = plt
+
+
+def narrowed_nn(width: float) -> types.ModuleType:
+    """``torch.nn`` as their ResnetModel sees it, with every channel count scaled by ``width``
+    (the single input channel kept): their layer order and block reuse untouched."""
+    import inspect
+
+    def scale(c: int) -> int:
+        return max(1, int(round(c * width)))
+
+    conv_sig = inspect.signature(torch.nn.Conv2d.__init__)
+
+    def conv2d(*a, **k):
+        b = conv_sig.bind(None, *a, **k)
+        b.apply_defaults()
+        kw = dict(b.arguments)
+        kw.pop("self")
+        if kw["in_channels"] > 3:
+            kw["in_channels"] = scale(kw["in_channels"])
+        kw["out_channels"] = scale(kw["out_channels"])
+        return torch.nn.Conv2d(**kw)
+
+    def batchnorm2d(num_features, *a, **k):
+        return torch.nn.BatchNorm2d(scale(num_features), *a, **k)
+
+    proxy = _module("torch.nn (narrowed)")
+    proxy.__dict__.update({k: getattr(torch.nn, k) for k in dir(torch.nn) if not k.startswith("__")})
+    proxy.Conv2d, proxy.BatchNorm2d = conv2d, batchnorm2d
+    return proxy
+
+
+def resized(x: torch.Tensor) -> np.ndarray:
+    """Their transform (ToTensor, then Resize(32)) on edgefl's [0, 1] images."""
+    out = [F.interpolate(x[i:i + 4096], size=32, mode="bilinear", antialias=True, align_corners=False)
+           for i in range(0, len(x), 4096)]
+    return torch.cat(out).numpy().astype("float32")
+
+
+def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill: bool, label: str) -> dict:
+    authors = args.authors_dir.resolve()
+    if not (authors / "modules" / "Server_op.py").exists():
+        sys.exit(f"{authors} is not a checkout of github.com/ChanYunHin/Felo_Velo (no modules/Server_op.py)")
+    epoch = args.iterations // 2  # their loop runs int(epoch * clients * ratio) iterations (Server_op.py:421)
+    argv = ["authors_felo", "--op", "--resnet_flag", "--dataset", "Fmnist", "--epoch", str(epoch),
+            "--clients_number", str(NUM_CLIENTS), "--clients_sample_ratio", str(SAMPLE_RATIO),
+            "--batch_size", str(BATCH), "--clients_training_epoch", str(STEPS), "--learning_rate", "1e-3",
+            "--alpha", "0.5", "--latent_size", str(int(round(1024 * args.width)))]
+    if distill:
+        argv.append("--y_distillation_flag")
+    saved_argv, sys.argv = sys.argv, argv
+    sys.path.insert(0, str(authors))
+    for name in [m for m in sys.modules if m == "parameters" or m.startswith("modules")]:
+        del sys.modules[name]  # a fresh args namespace and fresh modules for each run
+    install_stand_ins()
+    try:
+        import modules.Dataset as dataset_mod
+        import modules.ResnetModel as resnet_mod
+        import modules.Server_op as server_mod
+    finally:
+        sys.argv = saved_argv
+    resnet_mod.nn = narrowed_nn(args.width)
+
+    x_train, y_train = resized(ds.x_train), ds.y_train.numpy().astype("int64")
+    x_test, y_test = resized(ds.x_test[test_idx]), ds.y_test[test_idx].numpy().astype("int64")
+
+    class EdgeflSplit:
+        """Their Dataset's interface (train: one BatchGenerator per client, test: one), edgefl's data."""
+
+        def __init__(self, *a, **k) -> None:
+            self.train = [dataset_mod.BatchGenerator(x_train[p], y_train[p]) for p in parts]
+            self.test = dataset_mod.BatchGenerator(x_test, y_test)
+
+    server_mod.Dataset = EdgeflSplit
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    seeds = np.random.default_rng(args.seed + 1)
+    iterations = epoch * 2
+    curve_at = {round(i * iterations / args.curve) for i in range(1, args.curve)}
+    state = {"ep": -1, "scores": {}}
+    real_evaluate = server_mod.Server.evaluate
+    real_choose = server_mod.Server.choose_clients
+
+    def choose_clients(self):
+        state["ep"] += 1
+        return real_choose(self)
+
+    def evaluate(self, dataset, batch_size, eval_model):
+        if state["ep"] not in curve_at:
+            return 0.0, 0.0  # their loop evaluates every 1 %: only the curve's points are worth the time here
+        loss, acc = real_evaluate(self, dataset, batch_size, eval_model)
+        state["scores"].setdefault(state["ep"], []).append(acc)
+        return loss, acc
+
+    server_mod.Server.choose_clients = choose_clients
+    server_mod.Server.evaluate = evaluate
+    server_mod.Server.get_random_seed = lambda self: int(seeds.integers(2**31))
+
+    from collections import namedtuple
+
+    fields = ["clients_number", "clients_sample_ratio", "epoch", "learning_rate", "decay_rate", "num_input",
+              "num_input_channel", "num_classes", "batch_size", "clients_training_epoch", "distorted_data", "dataset", "device"]
+    params = namedtuple("parameters", fields)(NUM_CLIENTS, SAMPLE_RATIO, epoch, 1e-3, 1, 32, 1, 10, BATCH, STEPS,
+                                              False, "Fmnist", torch.device("cpu"))
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as work:
+        os.chdir(work)  # their loop saves every model into ./state_dict/ at each evaluation
+        os.makedirs("state_dict")
+        try:
+            server = server_mod.Server(params)
+            sizes = [c.model.__class__.__name__ for c in server.clients_dict.values()]
+            n_params = [sum(p.numel() for p in c.model.parameters()) for c in server.clients_dict.values()]
+            log(f"authors {label}: clients {sizes}, parameters {n_params}")
+            server.asynchronous_training()
+            # the final evaluation: every client, their evaluator
+            per_client = [float(real_evaluate(server, server.dataset_server.test, BATCH * 10, server.clients_dict[k])[1])
+                          for k in range(NUM_CLIENTS)]
+        finally:
+            os.chdir(cwd)
+            server_mod.Server.evaluate, server_mod.Server.choose_clients = real_evaluate, real_choose
+            sys.path.remove(str(authors))
+    curve = [(ep + 1, float(np.mean(a))) for ep, a in sorted(state["scores"].items()) if len(a) == NUM_CLIENTS]
+    curve.append((iterations, float(np.mean(per_client))))
+    per_model = {}
+    for k, name in enumerate(RESNETS):  # their clients 2k, 2k+1 share a model; the same order as edgefl's groups
+        per_model[name] = float(np.mean(per_client[2 * k:2 * k + 2]))
+    return {"own": float(np.mean(per_client)), "per_model": per_model, "per_client": per_client, "curve": curve,
+            "parameters": n_params}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/ChanYunHin/Felo_Velo")
+    p.add_argument("--iterations", type=int, default=200, help="server iterations (edgefl rounds); even, at least 100 "
+                                                               "(their loop divides by 1 %% of it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--partition", choices=("iid", "dirichlet"), default="iid", help="edgefl's split, given to both")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (--partition dirichlet)")
+    p.add_argument("--width", type=float, default=0.25, help="channel scale of both sides' ResNets (paper: 1)")
+    p.add_argument("--feature-dim", type=int, default=128, help="edgefl's common feature width (theirs: 1024 x width)")
+    p.add_argument("--test-samples", type=int, default=2000, help="a multiple of 500 (they evaluate in batches of 500)")
+    p.add_argument("--curve", type=int, default=5, help="evaluations over the run (the last at its end)")
+    p.add_argument("--sides", default="authors,edgefl", help="authors, edgefl or both")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+    sides = {s for s in args.sides.split(",") if s}
+    if not sides <= {"authors", "edgefl"} or not sides:
+        p.error("--sides takes authors, edgefl or both, comma-separated")
+    if "authors" in sides and args.authors_dir is None:
+        p.error("--authors-dir is needed for the authors' side (git clone https://github.com/ChanYunHin/Felo_Velo)")
+    if args.iterations < 100 or args.iterations % 2:
+        p.error("--iterations must be even and at least 100")
+    if args.test_samples % 500 or not 500 <= args.test_samples <= 10000:
+        p.error("--test-samples must be a multiple of 500, at most 10000")
+    torch.set_num_threads(args.threads)
+    ds = load("fashion-mnist")
+
+    run = build_run(validate_config(edgefl_config(args, "felo"), "authors_felo config"), ds)
+    parts = [np.asarray(s.sample_indices) for s in run.slots]
+    assert [s.model for s in run.slots] == [d for d in RESNETS for _ in range(2)], "edgefl's device order changed"
+    test_idx = np.sort(np.random.default_rng(0).choice(len(ds.y_test), args.test_samples, replace=False))
+    if args.test_samples < len(ds.y_test):  # edgefl.build.test_subset's subset, given to the authors too
+        assert torch.equal(ds.y_test[test_idx], run.y_test), "edgefl's test subset is not the one rebuilt here"
+    else:
+        test_idx = np.arange(len(ds.y_test))
+    log(f"split {args.partition}: samples per client {[len(q) for q in parts]}; test images {len(test_idx)}")
+
+    results: dict = {}
+    jobs = []
+    if "authors" in sides:
+        jobs += [("authors Felo", lambda: run_authors(args, ds, parts, test_idx, True, "Felo")),
+                 ("authors local", lambda: run_authors(args, ds, parts, test_idx, False, "local"))]
+    if "edgefl" in sides:
+        jobs += [("edgefl Felo", lambda: run_edgefl(edgefl_config(args, "felo"), ds, "Felo")),
+                 ("edgefl Felo, personal", lambda: run_edgefl(edgefl_config(args, "felo", personal=True), ds, "Felo, personal")),
+                 ("edgefl local", lambda: run_edgefl(edgefl_config(args, "local"), ds, "local"))]
+    for label, job in jobs:
+        t0 = time.perf_counter()
+        results[label] = job()
+        results[label]["seconds"] = round(time.perf_counter() - t0)
+        torch.set_num_threads(args.threads)
+        log(f"{label}: {results[label]['own']:.4f} in {results[label]['seconds']} s")
+
+    setting = (f"Fashion-MNIST {args.partition}, {args.iterations} iterations of 2 clients x {STEPS} batches of {BATCH}, "
+               f"seed {args.seed}, width {args.width}")
+    cols = list(results)
+    print(f"\n{setting}\n| | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
+    print("| mean accuracy | " + " | ".join(f"{100 * results[c]['own']:.2f}" for c in cols) + " |")
+    for name in RESNETS:
+        print(f"| {name} | " + " | ".join(f"{100 * results[c]['per_model'].get(name, float('nan')):.2f}" for c in cols) + " |")
+    print("| seconds | " + " | ".join(str(results[c]["seconds"]) for c in cols) + " |")
+    for side in ("authors", "edgefl"):
+        if f"{side} Felo" in results and f"{side} local" in results:
+            gain = 100 * (results[f"{side} Felo"]["own"] - results[f"{side} local"]["own"])
+            print(f"{side}: Felo - local = {gain:+.2f} points")
+    name = "authors_felo" + (f"-{args.tag}" if args.tag else "")
+    path = save(name, {"setting": setting, "args": {k: str(v) for k, v in vars(args).items()},
+                       "split_sizes": [len(q) for q in parts], "results": results})
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
