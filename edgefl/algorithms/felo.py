@@ -52,7 +52,7 @@ class FeloOptions(MethodOptions):
 
 
 class VeloOptions(FeloOptions):
-    latent_dim: int = Field(64, ge=1, description="server CVAE latent size (authors' code: 1024 for 512-d features)")
+    latent_dim: int = Field(64, ge=1, description="server CVAE latent size (authors' code: the feature width, 1024)")
     hidden_dim: int = Field(256, ge=1, description="server CVAE hidden width (one hidden layer in encoder and decoder)")
     retrain_every: int = Field(1, ge=1, description="retrain the CVAE every k rounds (paper Table 4: k = 1..10 all work)")
     cvae_epochs: int = Field(50, ge=1, description="passes over the feature store per retraining")

@@ -1,11 +1,15 @@
 """ResNet10/14/18/22/26/34/50 on torchvision's ResNet, with a small-image stem and a width knob.
 
-Block counts follow the Felo/Velo and FedIN code (BasicBlock; Bottleneck for ResNet50).
+Block counts follow the same authors' later InCo code (ChanYunHin/InCo-Aggregation,
+``fed_model/cv/resnet_hetavg_new.py``: BasicBlock ResNet10-26; Bottleneck for ResNet50), the family
+the Felo/Velo and FedIN papers name. FedIN's code is not public, and the Felo_Velo repository's own
+ResNets are another design (three stages of one re-applied block; docs/methods.md, Felo beside
+the authors' code).
 torchvision hard-codes 64/128/256/512 channels; ``width`` scales them (0.25 -> 16/32/64/128),
 which is what keeps these nets trainable on a 2-core CPU. Two stems:
 
 * ``"small"`` (default): 3x3 conv, stride 1, no max-pool, for 28x28 / 32x32 inputs;
-* ``"imagenet"``: torchvision's 7x7 stride-2 conv + max-pool, as the authors' code used on
+* ``"imagenet"``: torchvision's 7x7 stride-2 conv + max-pool, as the InCo code uses on
   Fashion-MNIST resized to 32x32 (16x fewer stem-resolution FLOPs, lower accuracy).
 
 ``norm = "group"`` builds every normalisation layer as GroupNorm (Opacus' BatchNorm fix) instead of

@@ -1,8 +1,8 @@
 """Felo and Velo (paper 000), server halves.
 
 **Felo.** Each upload carries a client's per-class mean features and logits with their counts, and
-its weights. The server keeps, per class, the ``store_size`` most recent reports (as the authors'
-code does), and answers with the count-weighted per-class average of features and of logits
+its weights. The server keeps, per class, the ``store_size`` most recent reports, and answers
+with the count-weighted per-class average of features and of logits
 (Algorithm 1, line 4). Weights are averaged only among clients of the same architecture
 (line 5; the FedAvg-groups rule: each architecture is its own group with a shared start). A class
 nobody has reported is masked out: clients train its samples with cross-entropy alone.
