@@ -39,7 +39,8 @@ docs/methods.md ("Felo and Velo beside the authors' code").
 
     python bench/authors_felo.py --authors-dir /tmp/authors/Felo_Velo [--iterations 200] [--seed 0]
         [--partition iid|dirichlet] [--width 0.25] [--test-samples 2000] [--sides authors,edgefl]
-        [--threads 2] [--tag NAME]
+        [--threads 2] [--tag NAME] [--plot-dir docs/img]
+    python bench/authors_felo.py --replot bench/results/authors_felo-TAG.json --plot-dir docs/img
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import load, save
+from common import load, plot_curves, save
 
 from edgefl.build import build_run
 from edgefl.config import validate_config
@@ -240,7 +241,7 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
     torch.manual_seed(args.seed)
     seeds = np.random.default_rng(args.seed + 1)
     iterations = epoch * 2
-    curve_at = {round(i * iterations / args.curve) for i in range(1, args.curve)}
+    curve_at = {round(i * iterations / args.curve) - 1 for i in range(1, args.curve)}  # 0-based: after iteration ep + 1
     state = {"ep": -1, "scores": {}}
     real_evaluate = server_mod.Server.evaluate
     real_choose = server_mod.Server.choose_clients
@@ -292,6 +293,12 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
             "parameters": n_params}
 
 
+def plot(payload: dict, out: Path) -> Path:
+    curves = {label: ([x for x, _ in r["curve"]], [100 * y for _, y in r["curve"]]) for label, r in payload["results"].items()}
+    title = payload["setting"].replace(" of 2 clients", "\nof 2 clients")  # two lines: the figure is 7 inches wide
+    return plot_curves(curves, title, "mean accuracy (%)", out, highlight="authors")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/ChanYunHin/Felo_Velo")
@@ -307,7 +314,15 @@ def main() -> None:
     p.add_argument("--sides", default="authors,edgefl", help="authors, edgefl or both")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tag", default="")
+    p.add_argument("--plot-dir", type=Path, default=None, help="also draw the accuracy curves there")
+    p.add_argument("--replot", type=Path, default=None, help="draw the curves of a saved result (no runs)")
     args = p.parse_args()
+    if args.replot:
+        import json
+
+        out = plot(json.loads(args.replot.read_text()), (args.plot_dir or Path("bench/results")) / (args.replot.stem + ".png"))
+        print(f"drew {out}")
+        return
     sides = {s for s in args.sides.split(",") if s}
     if not sides <= {"authors", "edgefl"} or not sides:
         p.error("--sides takes authors, edgefl or both, comma-separated")
@@ -362,6 +377,8 @@ def main() -> None:
     path = save(name, {"setting": setting, "args": {k: str(v) for k, v in vars(args).items()},
                        "split_sizes": [len(q) for q in parts], "results": results})
     print(f"saved {path}")
+    if args.plot_dir:
+        print(f"drew {plot({'setting': setting, 'results': results}, args.plot_dir / (name + '.png'))}")
 
 
 if __name__ == "__main__":
