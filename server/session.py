@@ -306,7 +306,11 @@ class RunSession:
             (self.run_dir.path / "metrics.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in self._history_kept))
             self._history_kept = None
         if self.resumed and self.run_dir is not None:  # a resume may change checkpoint_every: the next one reads it
+            before = _saved_setting(self.run_dir.path, "simulation", "checkpoint_every")
             (self.run_dir.path / "config.toml").write_text(self.cfg.to_toml())
+            if before is not None and before != self.cfg.simulation.checkpoint_every:
+                log.warning("the resumed run takes simulation.checkpoint_every = %d (it was %s); config.toml says so now",
+                            self.cfg.simulation.checkpoint_every, before)
         self.trackers = Trackers(self.cfg, self.run_dir.path if self.run_dir else None)
         if isinstance(self.policy, AsyncUpdates) and self.checkpoint_every and self.run_dir is not None:
             policy = self.policy
@@ -372,6 +376,17 @@ class RunSession:
         if self.live is not None:
             self.live.finish(interrupted)
         return summary
+
+
+def _saved_setting(run_dir: Path, table: str, key: str) -> Any:
+    """One setting of the run directory's config.toml (None when it cannot be read or lacks it)."""
+    from edgefl.configtools import tomllib
+
+    try:
+        node = tomllib.loads((run_dir / "config.toml").read_text()).get(table)
+    except (OSError, ValueError):
+        return None
+    return node.get(key) if isinstance(node, dict) else None
 
 
 def _config_changes(cfg: RunConfig, run_dir: Path) -> str:

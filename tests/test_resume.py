@@ -171,12 +171,15 @@ def test_a_changed_config_is_refused_naming_what_changed(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_resume_may_change_how_often_the_run_checkpoints(mode, tmp_path):
-    """checkpoint_every changes none of the numbers: a resume may set another, and config.toml then says it."""
+def test_a_resume_may_change_how_often_the_run_checkpoints(mode, tmp_path, caplog):
+    """checkpoint_every changes none of the numbers: a resume may set another, says it took it, and
+    config.toml then says it."""
     make = (lambda every: _config("fedhe", rounds=6, every=every)) if mode == "sync" else (lambda every: _async_config("fedhe", every=every))
-    whole, stopped = stopped_and_resumed(make(2), tmp_path, resume_with=make(1))
+    with caplog.at_level("WARNING", logger="edgefl.server"):
+        whole, stopped = stopped_and_resumed(make(2), tmp_path, resume_with=make(1))
     assert _records(stopped) == _records(whole)
     assert "checkpoint_every = 1" in (stopped / "config.toml").read_text()
+    assert "takes simulation.checkpoint_every = 1 (it was 2)" in caplog.text
 
 
 # --- asynchronous runs: the work and messages under way are part of the checkpoint ---------------
