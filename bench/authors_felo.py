@@ -1,6 +1,7 @@
 """Felo side by side: the authors' public code (ChanYunHin/Felo_Velo, PyTorch) and edgefl's ``felo``,
-each against its own local-only training, on the same Fashion-MNIST split, the same clients
-sampled the same way, the same optimiser, batches and length, on this machine (issue 38, item 3).
+each against its own local-only training, on the same Fashion-MNIST split, the same share of
+clients sampled an iteration (each side draws its own), the same optimiser, batches and length,
+on this machine (issue 38, item 3).
 
 The two sides train different ResNets: the authors' are their own (a 3x3 stem with max pooling,
 three stages of bottleneck-like blocks whose depth comes from re-applying one shared block, a
@@ -14,28 +15,34 @@ The authors' code runs from ``--authors-dir`` (a checkout of their repository; n
 copied here): their ``modules.Server_op.Server`` (Felo; their README: "op is Felo") and its
 ``asynchronous_training`` loop, unchanged. What this script changes around it:
 
-* three modules their code imports exist in their repository only as compiled ``.pyc`` files
-  (``modules/utils``, ``Model``, ``GAN_model``), and a few imports are unused on this path
-  (``tkinter``, ``numpy.lib.function_base``, ``objgraph``, ``pandas``, TensorBoard): small
-  stand-ins are placed in ``sys.modules``; TensorBoard's writer is a no-op.
+* two modules their Felo path imports exist in their repository only as compiled ``.pyc`` files
+  (``modules/utils``, ``modules/Model``; ``GAN_model``, Velo's, too), and a few imports are unused
+  on this path (``tkinter``, ``numpy.lib.function_base``, ``objgraph``, ``pandas``, TensorBoard):
+  small stand-ins are placed in ``sys.modules`` while their code runs, and the previous entries
+  put back after it; TensorBoard's writer is a no-op.
 * their ``Dataset`` (torchvision download of Fashion-MNIST, ``ToTensor`` then ``Resize(32)``) is
   replaced by edgefl's Fashion-MNIST in [0, 1] resized to 32x32 the same way (bilinear), split as
-  edgefl splits it: their client ``k`` gets edgefl's device ``k`` (both lists run from the smallest
-  ResNet to the largest, two clients each); their test set is edgefl's fixed test subset.
+  edgefl splits it: their client ``k`` gets edgefl's device ``k`` (two clients per model on both
+  sides; their five models are not in size order: 6, 9, 10, 7 and 13 block applications), and
+  their test set is edgefl's fixed test subset.
 * their ResNets are narrowed by ``--width`` (every convolution's and BatchNorm's channel count,
   and ``args.latent_size``, the feature width): at full width a run of this length takes hours here.
 * their per-iteration seed (``torch.random.seed()``, Server_op.py:385) is drawn from a generator
   seeded by ``--seed``; NumPy's and torch's global generators are seeded before their server is
   built, so a run is repeatable.
 * their in-loop evaluation (every 1 % of the run, every client over the test set) runs only at
-  ``--curve`` points; the final numbers come from their own ``Server.evaluate`` on every client.
+  ``--curve`` points (the nearest of their evaluation iterations), with NumPy's global generator
+  saved and restored around it (their test batches shuffle it), so the curve does not change the
+  run; the final numbers come from their own ``Server.evaluate`` on every client. (Commit
+  ``a897723``, which produced docs/methods.md's tables, evaluated without the restore.)
+* the SHA-256 of every ``.py`` file of their checkout is saved with the results.
 
 Local-only on their side is their own switch: the same run without ``--y_distillation_flag``
 (Server_op.py:453), i.e. no features or logits in the loss. edgefl's side runs ``felo`` with the
 authors' settings where edgefl has them (alpha 0.5, MSE on logits, CE only for the first 5 %,
 Adam 1e-3 kept for the run, 10 batches of 50 per selection, 2 of 10 clients an iteration) and
 ``local`` with the same training. What edgefl does not do as their code does is listed in
-docs/methods.md ("Felo and Velo beside the authors' code").
+docs/methods.md ("Felo beside the authors' code").
 
     python bench/authors_felo.py --authors-dir /tmp/authors/Felo_Velo [--iterations 200] [--seed 0]
         [--partition iid|dirichlet] [--width 0.25] [--test-samples 2000] [--sides authors,edgefl]
@@ -79,7 +86,7 @@ def log(msg: str) -> None:
 def edgefl_config(args, method: str, personal: bool = False) -> dict:
     """``personal``: every device its own architecture group, so no weights are averaged and each
     device trains on its own model from round to round, as the authors' code does (it never sets a
-    client's weights outside its asynchronous-FedAvg branch, Server_op.py:478-481). edgefl averages
+    client's weights outside its asynchronous-FedAvg branch, Server_op.py:513-515). edgefl averages
     within an architecture (the paper, Algorithm 1 line 5); a group is its model and options, so a
     width that rounds to the same channel counts (0.25 + k * 1e-6) makes ten groups of one."""
     m: dict = {"name": method}
@@ -133,8 +140,11 @@ class _NoWriter:
         return lambda *a, **k: None
 
 
-def install_stand_ins() -> None:
-    """What their imports need on this path and their repository lacks (source) or this machine lacks."""
+def install_stand_ins() -> dict[str, types.ModuleType | None]:
+    """What their imports need on this path and their repository lacks (source) or this machine lacks;
+    returns what ``sys.modules`` held under those names, for ``restore_modules``."""
+    previous: dict[str, types.ModuleType | None] = {}
+
     class _Unused:
         def __init__(self, *a, **k) -> None:
             raise RuntimeError("the authors' CNN path is not used here (--resnet_flag)")
@@ -150,20 +160,34 @@ def install_stand_ins() -> None:
         "torch.utils.tensorboard": {"SummaryWriter": _NoWriter},
         "tqdm": {"tqdm": lambda it, *a, **k: it},
     }.items():
+        previous[name] = sys.modules.get(name)
         sys.modules[name] = _module(name, **attrs)
-    if "psutil" not in sys.modules:
-        try:
-            import psutil  # noqa: F401
-        except ImportError:
-            sys.modules["psutil"] = _module("psutil")
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        previous["psutil"], sys.modules["psutil"] = None, _module("psutil")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
     except ImportError:
         plt = _module("matplotlib.pyplot")
+        previous["matplotlib"], previous["matplotlib.pyplot"] = None, None
         sys.modules["matplotlib"] = _module("matplotlib", pyplot=plt, use=lambda *a: None)
         sys.modules["matplotlib.pyplot"] = plt
+    return previous
+
+
+def restore_modules(previous: dict[str, types.ModuleType | None]) -> None:
+    """Put back what the stand-ins replaced (a stand-in left behind breaks later imports: torch's
+    compiler probes ``pandas``), and forget their modules and ``parameters``."""
+    for name, module in previous.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+    for name in [m for m in sys.modules if m == "parameters" or m == "modules" or m.startswith("modules.")]:
+        del sys.modules[name]
 
 
 def narrowed_nn(width: float) -> types.ModuleType:
@@ -217,11 +241,15 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
     sys.path.insert(0, str(authors))
     for name in [m for m in sys.modules if m == "parameters" or m.startswith("modules")]:
         del sys.modules[name]  # a fresh args namespace and fresh modules for each run
-    install_stand_ins()
+    replaced = install_stand_ins()
     try:
         import modules.Dataset as dataset_mod
         import modules.ResnetModel as resnet_mod
         import modules.Server_op as server_mod
+    except BaseException:
+        restore_modules(replaced)
+        sys.path.remove(str(authors))
+        raise
     finally:
         sys.argv = saved_argv
     resnet_mod.nn = narrowed_nn(args.width)
@@ -241,7 +269,8 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
     torch.manual_seed(args.seed)
     seeds = np.random.default_rng(args.seed + 1)
     iterations = epoch * 2
-    curve_at = {round(i * iterations / args.curve) - 1 for i in range(1, args.curve)}  # 0-based: after iteration ep + 1
+    every = int(iterations / 100)  # their loop evaluates at ep % every == 0 (Server_op.py:593-599)
+    curve_at = {(round(i * iterations / args.curve) - 1) // every * every for i in range(1, args.curve)}  # 0-based ep
     state = {"ep": -1, "scores": {}}
     real_evaluate = server_mod.Server.evaluate
     real_choose = server_mod.Server.choose_clients
@@ -253,8 +282,14 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
     def evaluate(self, dataset, batch_size, eval_model):
         if state["ep"] not in curve_at:
             return 0.0, 0.0  # their loop evaluates every 1 %: only the curve's points are worth the time here
+        return judged(self, dataset, batch_size, eval_model, keep=True)
+
+    def judged(self, dataset, batch_size, eval_model, keep=False):
+        rng = np.random.get_state()  # their test batches shuffle NumPy's generator: judging must not change the run
         loss, acc = real_evaluate(self, dataset, batch_size, eval_model)
-        state["scores"].setdefault(state["ep"], []).append(acc)
+        np.random.set_state(rng)
+        if keep:
+            state["scores"].setdefault(state["ep"], []).append(acc)
         return loss, acc
 
     server_mod.Server.choose_clients = choose_clients
@@ -278,19 +313,27 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
             log(f"authors {label}: clients {sizes}, parameters {n_params}")
             server.asynchronous_training()
             # the final evaluation: every client, their evaluator
-            per_client = [float(real_evaluate(server, server.dataset_server.test, BATCH * 10, server.clients_dict[k])[1])
+            per_client = [float(judged(server, server.dataset_server.test, BATCH * 10, server.clients_dict[k])[1])
                           for k in range(NUM_CLIENTS)]
         finally:
             os.chdir(cwd)
             server_mod.Server.evaluate, server_mod.Server.choose_clients = real_evaluate, real_choose
             sys.path.remove(str(authors))
+            restore_modules(replaced)
     curve = [(ep + 1, float(np.mean(a))) for ep, a in sorted(state["scores"].items()) if len(a) == NUM_CLIENTS]
     curve.append((iterations, float(np.mean(per_client))))
     per_model = {}
-    for k, name in enumerate(RESNETS):  # their clients 2k, 2k+1 share a model; the same order as edgefl's groups
-        per_model[name] = float(np.mean(per_client[2 * k:2 * k + 2]))
+    for k in range(0, NUM_CLIENTS, 2):  # their clients 2k, 2k+1 share a model (Server_op.py:138-148), named by its class
+        per_model[sizes[k]] = float(np.mean(per_client[k:k + 2]))
     return {"own": float(np.mean(per_client)), "per_model": per_model, "per_client": per_client, "curve": curve,
             "parameters": n_params}
+
+
+def checkout_digests(authors: Path) -> dict[str, str]:
+    """SHA-256 of each .py file of their checkout: what ran, checkable without its git history."""
+    import hashlib
+
+    return {str(f.relative_to(authors)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(authors.rglob("*.py"))}
 
 
 def plot(payload: dict, out: Path) -> Path:
@@ -330,6 +373,8 @@ def main() -> None:
         p.error("--authors-dir is needed for the authors' side (git clone https://github.com/ChanYunHin/Felo_Velo)")
     if args.iterations < 100 or args.iterations % 2:
         p.error("--iterations must be even and at least 100")
+    if not 1 <= args.curve <= args.iterations // 2:
+        p.error("--curve must be at least 1 and at most half of --iterations")
     if args.test_samples % 500 or not 500 <= args.test_samples <= 10000:
         p.error("--test-samples must be a multiple of 500, at most 10000")
     torch.set_num_threads(args.threads)
@@ -366,16 +411,19 @@ def main() -> None:
     cols = list(results)
     print(f"\n{setting}\n| | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     print("| mean accuracy | " + " | ".join(f"{100 * results[c]['own']:.2f}" for c in cols) + " |")
-    for name in RESNETS:
-        print(f"| {name} | " + " | ".join(f"{100 * results[c]['per_model'].get(name, float('nan')):.2f}" for c in cols) + " |")
+    rows = list(dict.fromkeys(name for c in cols for name in results[c]["per_model"]))  # edgefl's depths, their classes
+    for name in rows:
+        print(f"| {name} | " + " | ".join(f"{100 * results[c]['per_model'][name]:.2f}" if name in results[c]["per_model"] else ""
+                                          for c in cols) + " |")
     print("| seconds | " + " | ".join(str(results[c]["seconds"]) for c in cols) + " |")
     for side in ("authors", "edgefl"):
         if f"{side} Felo" in results and f"{side} local" in results:
             gain = 100 * (results[f"{side} Felo"]["own"] - results[f"{side} local"]["own"])
             print(f"{side}: Felo - local = {gain:+.2f} points")
     name = "authors_felo" + (f"-{args.tag}" if args.tag else "")
+    extra = {"authors_checkout_sha256": checkout_digests(args.authors_dir.resolve())} if "authors" in sides else {}
     path = save(name, {"setting": setting, "args": {k: str(v) for k, v in vars(args).items()},
-                       "split_sizes": [len(q) for q in parts], "results": results})
+                       "split_sizes": [len(q) for q in parts], "results": results, **extra})
     print(f"saved {path}")
     if args.plot_dir:
         print(f"drew {plot({'setting': setting, 'results': results}, args.plot_dir / (name + '.png'))}")
