@@ -6,8 +6,9 @@ hidden layer and the hidden layer to a feature. Loss: reconstruction MSE summed 
 plus the KL divergence to N(0, I), both averaged over the batch (Eq. 2 per sample). The authors'
 code differs: the MSE is the mean over every element while the KL is summed over batch and
 latent, so its KL term weighs batch x feature width times more (5 x 10^4 at their defaults;
-VAE_model.py, ``server_extractor_training``; docs/methods.md). Mid-level features come after a ReLU, so they are non-negative: the decoder ends
-in a ReLU too (the authors' decoder is two linear layers with no activation).
+VAE_model.py, ``server_extractor_training``; docs/methods.md). Mid-level features come after a
+ReLU, so they are non-negative: the decoder ends in a ReLU too (the authors' decoder is two
+linear layers with no activation).
 """
 
 from __future__ import annotations
