@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import load, save
+from common import accuracy_logger, load, save
 
 from edgefl.build import build_run
 from edgefl.config import preset_text, validate_config
@@ -146,11 +146,7 @@ VARIANTS = {
 def run_edgefl(raw: dict, ds, label: str, tweaks=()) -> dict:
     cfg = validate_config(raw, "authors_fedhe config")
 
-    def on_record(rec: dict) -> None:
-        acc = (rec.get("accuracy") or {}).get("overall")
-        if acc is not None:
-            log(f"edgefl {label}: update {rec.get('round')}: mean device accuracy {acc:.4f}")
-
+    on_record = accuracy_logger(log, f"edgefl {label}: update", "mean device accuracy")
     sim = Simulation(cfg, None, dataset=ds, show_progress=False, on_round=on_record)
     for tweak in tweaks:
         for client in sim.clients.values():

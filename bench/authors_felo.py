@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import load, plot_curves, save
+from common import accuracy_logger, load, plot_curves, save
 
 from edgefl.build import build_run
 from edgefl.config import validate_config
@@ -112,11 +112,7 @@ def edgefl_config(args, method: str, personal: bool = False) -> dict:
 def run_edgefl(raw: dict, ds, label: str) -> dict:
     cfg = validate_config(raw, "authors_felo config")
 
-    def on_record(rec: dict) -> None:
-        acc = (rec.get("accuracy") or {}).get("overall")
-        if acc is not None:
-            log(f"edgefl {label}: round {rec.get('round')}: mean accuracy {acc:.4f}")
-
+    on_record = accuracy_logger(log, f"edgefl {label}: round", "mean accuracy")
     sim = Simulation(cfg, None, dataset=ds, show_progress=False, on_round=on_record)
     summary = sim.run()
     final = summary["final_accuracy"]

@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,17 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def accuracy_logger(log: Callable[[str], None], prefix: str, what: str) -> Callable[[dict[str, Any]], None]:
+    """An ``on_round`` callback logging each judged record's overall accuracy: "PREFIX round N: WHAT 0.xxxx"."""
+
+    def on_record(rec: dict[str, Any]) -> None:
+        acc = (rec.get("accuracy") or {}).get("overall")
+        if acc is not None:
+            log(f"{prefix} {rec.get('round')}: {what} {acc:.4f}")
+
+    return on_record
 
 
 def plot_curves(curves: dict[str, tuple[list, list]], title: str, ylabel: str, out: Path, highlight: str | None = None) -> Path:
