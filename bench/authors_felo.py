@@ -1,5 +1,5 @@
-"""Felo side by side: the authors' public code (ChanYunHin/Felo_Velo, PyTorch) and edgefl's ``felo``,
-each against its own local-only training, on the same Fashion-MNIST split, the same share of
+"""Felo and Velo side by side: the authors' public code (ChanYunHin/Felo_Velo, PyTorch) and edgefl's
+``felo`` and ``velo``, each against its own local-only training, on the same Fashion-MNIST split, the same share of
 clients sampled an iteration (each side draws its own), the same optimiser, batches and length,
 on this machine (issue 38, item 3).
 
@@ -12,7 +12,8 @@ has it (weights averaged among the clients of one architecture) and with persona
 authors' code has it (no weights averaged at all; ``edgefl_config(personal=True)``).
 
 The authors' code runs from ``--authors-dir`` (a checkout of their repository; nothing of it is
-copied here): their ``modules.Server_op.Server`` (Felo; their README: "op is Felo") and its
+copied here): their ``modules.Server_op.Server`` (Felo; their README: "op is Felo") or
+``modules.Server_new_VAE.Server`` (Velo: "new_VAE is Velo"; ``--methods velo``) and its
 ``asynchronous_training`` loop, unchanged. What this script changes around it:
 
 * two modules their Felo path imports exist in their repository only as compiled ``.pyc`` files
@@ -27,9 +28,11 @@ copied here): their ``modules.Server_op.Server`` (Felo; their README: "op is Fel
   their test set is edgefl's fixed test subset.
 * their ResNets are narrowed by ``--width`` (every convolution's and BatchNorm's channel count,
   and ``args.latent_size``, the feature width): at full width a run of this length takes hours here.
-* their per-iteration seed (``torch.random.seed()``, Server_op.py:385) is drawn from a generator
-  seeded by ``--seed``; NumPy's and torch's global generators are seeded before their server is
-  built, so a run is repeatable.
+* their per-iteration seed (``torch.random.seed()``, Server_op.py:385) and the clock seed their
+  Velo server gives torch after generating its features (``torch.seed()``, Server_new_VAE.py:354)
+  are drawn from a generator seeded by ``--seed``; NumPy's and torch's global generators are
+  seeded before their server is built, so a run is repeatable. Their Velo CVAE's trainings are
+  counted and timed (their ``server_extractor_training``, unchanged).
 * their in-loop evaluation (every 1 % of the run, every client over the test set) runs only at
   ``--curve`` points (the nearest of their evaluation iterations), with NumPy's global generator
   saved and restored around it (their test batches shuffle it), so the curve does not change the
@@ -41,11 +44,14 @@ Local-only on their side is their own switch: the same run without ``--y_distill
 (Server_op.py:453), i.e. no features or logits in the loss. edgefl's side runs ``felo`` with the
 authors' settings where edgefl has them (alpha 0.5, MSE on logits, CE only for the first 5 %,
 Adam 1e-3 kept for the run, 10 batches of 50 per selection, 2 of 10 clients an iteration) and
-``local`` with the same training. What edgefl does not do as their code does is listed in
+``local`` with the same training; its ``velo`` takes their CVAE's sizes and schedule where edgefl
+has the option (latent and hidden width = the feature width, 10 epochs every 1 % of the run, one
+synthetic feature per class). What edgefl does not do as their code does is listed in
 docs/methods.md ("Felo beside the authors' code").
 
     python bench/authors_felo.py --authors-dir /tmp/authors/Felo_Velo [--iterations 200] [--seed 0]
         [--partition iid|dirichlet] [--width 0.25] [--test-samples 2000] [--sides authors,edgefl]
+        [--methods felo,velo,local]
         [--threads 2] [--tag NAME] [--plot-dir docs/img]
     python bench/authors_felo.py --replot bench/results/authors_felo-TAG.json --plot-dir docs/img
 """
@@ -53,6 +59,7 @@ docs/methods.md ("Felo beside the authors' code").
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -90,8 +97,11 @@ def edgefl_config(args, method: str, personal: bool = False) -> dict:
     within an architecture (the paper, Algorithm 1 line 5); a group is its model and options, so a
     width that rounds to the same channel counts (0.25 + k * 1e-6) makes ten groups of one."""
     m: dict = {"name": method}
-    if method == "felo":
+    if method in ("felo", "velo"):
         m.update(alpha=0.5, logit_loss="mse", feature_dim=args.feature_dim)
+    if method == "velo":  # their CVAE's sizes and schedule where edgefl has the option (VAE_model.py, Server_new_VAE.py:448-455)
+        m.update(latent_dim=args.feature_dim, hidden_dim=args.feature_dim, retrain_every=max(1, args.iterations // 100),
+                 cvae_epochs=10, synthetic_per_class=1)
     return {
         "name": f"authors-felo-{method}", "seed": args.seed, "rounds": args.iterations, "threads": args.threads,
         "method": m,
@@ -222,16 +232,16 @@ def resized(x: torch.Tensor) -> np.ndarray:
     return torch.cat(out).numpy().astype("float32")
 
 
-def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill: bool, label: str) -> dict:
+def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, method: str, label: str) -> dict:
+    """``method``: felo (their Server_op with distillation), velo (Server_new_VAE with it) or local
+    (Server_op without it)."""
     authors = args.authors_dir.resolve()
-    if not (authors / "modules" / "Server_op.py").exists():
-        sys.exit(f"{authors} is not a checkout of github.com/ChanYunHin/Felo_Velo (no modules/Server_op.py)")
     epoch = args.iterations // 2  # their loop runs int(epoch * clients * ratio) iterations (Server_op.py:421)
-    argv = ["authors_felo", "--op", "--resnet_flag", "--dataset", "Fmnist", "--epoch", str(epoch),
+    argv = ["authors_felo", "--new_VAE" if method == "velo" else "--op", "--resnet_flag", "--dataset", "Fmnist", "--epoch", str(epoch),
             "--clients_number", str(NUM_CLIENTS), "--clients_sample_ratio", str(SAMPLE_RATIO),
             "--batch_size", str(BATCH), "--clients_training_epoch", str(STEPS), "--learning_rate", "1e-3",
             "--alpha", "0.5", "--latent_size", str(int(round(1024 * args.width)))]
-    if distill:
+    if method != "local":
         argv.append("--y_distillation_flag")
     saved_argv, sys.argv = sys.argv, argv
     sys.path.insert(0, str(authors))
@@ -241,7 +251,7 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
     try:
         import modules.Dataset as dataset_mod
         import modules.ResnetModel as resnet_mod
-        import modules.Server_op as server_mod
+        server_mod = importlib.import_module("modules.Server_new_VAE" if method == "velo" else "modules.Server_op")
     except BaseException:
         restore_modules(replaced)
         sys.path.remove(str(authors))
@@ -288,9 +298,29 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
             state["scores"].setdefault(state["ep"], []).append(acc)
         return loss, acc
 
+    def reseed() -> int:
+        """``torch.seed()`` as their Velo server calls it after generating (Server_new_VAE.py:354):
+        a seed from ``seeds``, not from the clock, so the run repeats."""
+        s = int(seeds.integers(2**31))
+        torch.manual_seed(s)
+        return s
+
+    cvae = {"trainings": 0, "seconds": 0.0}
+    if method == "velo":
+        real_training = server_mod.CVAE.server_extractor_training
+
+        def timed_training(*a, **k):
+            t0 = time.perf_counter()
+            out = real_training(*a, **k)
+            cvae["trainings"] += 1
+            cvae["seconds"] += time.perf_counter() - t0
+            return out
+
+        server_mod.CVAE.server_extractor_training = timed_training
     server_mod.Server.choose_clients = choose_clients
     server_mod.Server.evaluate = evaluate
     server_mod.Server.get_random_seed = lambda self: int(seeds.integers(2**31))
+    real_torch_seed, torch.seed = torch.seed, reseed
 
     from collections import namedtuple
 
@@ -313,6 +343,7 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
                           for k in range(NUM_CLIENTS)]
         finally:
             os.chdir(cwd)
+            torch.seed = real_torch_seed
             server_mod.Server.evaluate, server_mod.Server.choose_clients = real_evaluate, real_choose
             sys.path.remove(str(authors))
             restore_modules(replaced)
@@ -321,8 +352,25 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, distill
     per_model = {}
     for k in range(0, NUM_CLIENTS, 2):  # their clients 2k, 2k+1 share a model (Server_op.py:138-148), named by its class
         per_model[sizes[k]] = float(np.mean(per_client[k:k + 2]))
-    return {"own": float(np.mean(per_client)), "per_model": per_model, "per_client": per_client, "curve": curve,
-            "parameters": n_params}
+    out = {"own": float(np.mean(per_client)), "per_model": per_model, "per_client": per_client, "curve": curve,
+           "parameters": n_params}
+    if method == "velo":
+        out["cvae"] = {"trainings": cvae["trainings"], "seconds": round(cvae["seconds"])}
+        log(f"authors {label}: their CVAE trained {cvae['trainings']} times, {cvae['seconds']:.0f} s in all")
+    return out
+
+
+AUTHORS_FILES = ("modules/Server_op.py", "modules/Client_op.py", "modules/Server_new_VAE.py", "modules/Client_new_VAE.py",
+                 "modules/VAE_model.py", "modules/ResnetModel.py", "modules/Dataset.py", "parameters.py")
+
+
+def checkout_problem(authors: Path) -> str | None:
+    """Why ``authors`` cannot be run here, or None: checked before any data is loaded."""
+    missing = [f for f in AUTHORS_FILES if not (authors / f).is_file()]
+    if missing:
+        return (f"{authors} is not a checkout of github.com/ChanYunHin/Felo_Velo (missing {', '.join(missing)}); "
+                "git clone https://github.com/ChanYunHin/Felo_Velo and pass its folder")
+    return None
 
 
 def checkout_digests(authors: Path) -> dict[str, str]:
@@ -351,6 +399,7 @@ def main() -> None:
     p.add_argument("--test-samples", type=int, default=2000, help="a multiple of 500 (they evaluate in batches of 500)")
     p.add_argument("--curve", type=int, default=5, help="evaluations over the run (the last at its end)")
     p.add_argument("--sides", default="authors,edgefl", help="authors, edgefl or both")
+    p.add_argument("--methods", default="felo,local", help="felo, velo, local, comma-separated (velo: their Server_new_VAE)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tag", default="")
     p.add_argument("--plot-dir", type=Path, default=None, help="also draw the accuracy curves there")
@@ -365,8 +414,13 @@ def main() -> None:
     sides = {s for s in args.sides.split(",") if s}
     if not sides <= {"authors", "edgefl"} or not sides:
         p.error("--sides takes authors, edgefl or both, comma-separated")
+    methods = list(dict.fromkeys(m for m in args.methods.split(",") if m))
+    if not methods or not set(methods) <= {"felo", "velo", "local"}:
+        p.error("--methods takes felo, velo and local, comma-separated")
     if "authors" in sides and args.authors_dir is None:
         p.error("--authors-dir is needed for the authors' side (git clone https://github.com/ChanYunHin/Felo_Velo)")
+    if "authors" in sides and (problem := checkout_problem(args.authors_dir.resolve())):
+        p.error(problem)
     if args.iterations < 100 or args.iterations % 2:
         p.error("--iterations must be even and at least 100")
     if not 1 <= args.curve <= args.iterations // 2:
@@ -388,13 +442,15 @@ def main() -> None:
 
     results: dict = {}
     jobs = []
-    if "authors" in sides:
-        jobs += [("authors Felo", lambda: run_authors(args, ds, parts, test_idx, True, "Felo")),
-                 ("authors local", lambda: run_authors(args, ds, parts, test_idx, False, "local"))]
-    if "edgefl" in sides:
-        jobs += [("edgefl Felo", lambda: run_edgefl(edgefl_config(args, "felo"), ds, "Felo")),
-                 ("edgefl Felo, personal", lambda: run_edgefl(edgefl_config(args, "felo", personal=True), ds, "Felo, personal")),
-                 ("edgefl local", lambda: run_edgefl(edgefl_config(args, "local"), ds, "local"))]
+    for method in methods:
+        name = method.capitalize() if method != "local" else "local"
+        if "authors" in sides:
+            jobs.append((f"authors {name}", lambda m=method, n=name: run_authors(args, ds, parts, test_idx, m, n)))
+        if "edgefl" in sides:
+            jobs.append((f"edgefl {name}", lambda m=method, n=name: run_edgefl(edgefl_config(args, m), ds, n)))
+            if method != "local":
+                jobs.append((f"edgefl {name}, personal",
+                             lambda m=method, n=name: run_edgefl(edgefl_config(args, m, personal=True), ds, f"{n}, personal")))
     for label, job in jobs:
         t0 = time.perf_counter()
         results[label] = job()
@@ -412,10 +468,11 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{100 * results[c]['per_model'][name]:.2f}" if name in results[c]["per_model"] else ""
                                           for c in cols) + " |")
     print("| seconds | " + " | ".join(str(results[c]["seconds"]) for c in cols) + " |")
-    for side in ("authors", "edgefl"):
-        if f"{side} Felo" in results and f"{side} local" in results:
-            gain = 100 * (results[f"{side} Felo"]["own"] - results[f"{side} local"]["own"])
-            print(f"{side}: Felo - local = {gain:+.2f} points")
+    for label in cols:
+        side = label.split()[0]
+        if label != f"{side} local" and f"{side} local" in results:
+            gain = 100 * (results[label]["own"] - results[f"{side} local"]["own"])
+            print(f"{label} - {side} local = {gain:+.2f} points")
     name = "authors_felo" + (f"-{args.tag}" if args.tag else "")
     extra = {"authors_checkout_sha256": checkout_digests(args.authors_dir.resolve())} if "authors" in sides else {}
     path = save(name, {"setting": setting, "args": {k: str(v) for k, v in vars(args).items()},
