@@ -1,7 +1,7 @@
 """Felo and Velo side by side: the authors' public code (ChanYunHin/Felo_Velo, PyTorch) and edgefl's
 ``felo`` and ``velo``, each against its own local-only training, on the same Fashion-MNIST split, the same share of
-clients sampled an iteration (each side draws its own), the same optimiser, batches and length,
-on this machine (issue 38, item 3).
+clients sampled an iteration (each side draws its own), the same optimiser (but for their learning
+rate drop at half the run), batches and length, on this machine (issue 38, item 3).
 
 The two sides train different ResNets: the authors' are their own (a 3x3 stem with max pooling,
 three stages of bottleneck-like blocks whose depth comes from re-applying one shared block, a
@@ -28,11 +28,17 @@ copied here): their ``modules.Server_op.Server`` (Felo; their README: "op is Fel
   their test set is edgefl's fixed test subset.
 * their ResNets are narrowed by ``--width`` (every convolution's and BatchNorm's channel count,
   and ``args.latent_size``, the feature width): at full width a run of this length takes hours here.
-* their per-iteration seed (``torch.random.seed()``, Server_op.py:385) and the clock seed their
+* their per-iteration seed (``torch.random.seed()``, Server_op.py:385, Server_new_VAE.py:374, which
+  also reseeds torch's global generator from the clock; the stand-in only returns a number) and
+  the clock seed their
   Velo server gives torch after generating its features (``torch.seed()``, Server_new_VAE.py:354)
   are drawn from a generator seeded by ``--seed``; NumPy's and torch's global generators are
   seeded before their server is built, so a run is repeatable. Their Velo CVAE's trainings are
-  counted and timed (their ``server_extractor_training``, unchanged).
+  counted and timed (their ``server_extractor_training``, unchanged). Their CVAE has a BatchNorm
+  and their loader keeps a last batch of one when the store's size is 1 more than a multiple of 50
+  (possible while some classes' stores are full and others not): BatchNorm then stops their run
+  with "Expected more than 1 value per channel". Their code, not changed here; rerun with another
+  ``--seed`` if it happens.
 * their in-loop evaluation (every 1 % of the run, every client over the test set) runs only at
   ``--curve`` points (the nearest of their evaluation iterations), with NumPy's global generator
   saved and restored around it (their test batches shuffle it), so the curve does not change the
@@ -44,9 +50,10 @@ Local-only on their side is their own switch: the same run without ``--y_distill
 (Server_op.py:453), i.e. no features or logits in the loss. edgefl's side runs ``felo`` with the
 authors' settings where edgefl has them (alpha 0.5, MSE on logits, CE only for the first 5 %,
 Adam 1e-3 kept for the run, 10 batches of 50 per selection, 2 of 10 clients an iteration) and
-``local`` with the same training; its ``velo`` takes their CVAE's sizes and schedule where edgefl
-has the option (latent and hidden width = the feature width, 10 epochs every 1 % of the run, one
-synthetic feature per class). What edgefl does not do as their code does is listed in
+``local`` with the same training; its ``velo`` takes their CVAE's choices where edgefl has the
+option (latent and hidden width = each side's own feature width: 256 theirs, 128 edgefl's at width
+0.25; 10 epochs every 1 % of the run; one synthetic feature per class); it still trains on the
+clients' per-class means, not on every sample's feature as theirs does. What edgefl does not do as their code does is listed in
 docs/methods.md ("Felo beside the authors' code").
 
     python bench/authors_felo.py --authors-dir /tmp/authors/Felo_Velo [--iterations 200] [--seed 0]
@@ -129,7 +136,12 @@ def run_edgefl(raw: dict, ds, label: str) -> dict:
     curve = [(h["round"], h["accuracy"]["overall"]) for h in sim.history if h.get("accuracy")]
     per_model = {name: float(np.mean([acc for arch, acc in final["per_arch"].items() if arch.split("(")[0] == name]))
                  for name in RESNETS}
-    return {"own": final["overall"], "per_model": per_model, "per_arch": final["per_arch"], "curve": curve}
+    out = {"own": final["overall"], "per_model": per_model, "per_arch": final["per_arch"], "curve": curve}
+    trainings = [h["server"]["cvae"] for h in sim.history if isinstance(h.get("server"), dict) and h["server"].get("cvae")]
+    if trainings:  # velo: the server's CVAE time, beside their code's
+        out["cvae"] = {"trainings": len(trainings), "seconds": round(sum(t["seconds"] for t in trainings))}
+        log(f"edgefl {label}: the CVAE trained {len(trainings)} times, {out['cvae']['seconds']} s in all")
+    return out
 
 
 # --- the authors' side -------------------------------------------------------------------------
@@ -146,7 +158,7 @@ class _NoWriter:
         return lambda *a, **k: None
 
 
-def install_stand_ins() -> dict[str, types.ModuleType | None]:
+def install_stand_ins(mask: str = "felo") -> dict[str, types.ModuleType | None]:
     """What their imports need on this path and their repository lacks (source) or this machine lacks;
     returns what ``sys.modules`` held under those names, for ``restore_modules``."""
     previous: dict[str, types.ModuleType | None] = {}
@@ -156,7 +168,7 @@ def install_stand_ins() -> dict[str, types.ModuleType | None]:
             raise RuntimeError("the authors' CNN path is not used here (--resnet_flag)")
 
     for name, attrs in {
-        "modules.utils": {"get_model_mask": lambda a: "felo", "get_tb_logs_name": lambda a: "unused"},
+        "modules.utils": {"get_model_mask": lambda a: mask, "get_tb_logs_name": lambda a: "unused"},
         "modules.Model": {"ClientModel": _Unused, "ClientModel_2CNN": _Unused},
         "modules.old_Model": {"ClientModel": _Unused, "ClientModel_2CNN": _Unused},
         "modules.GAN_model": {},
@@ -194,6 +206,12 @@ def restore_modules(previous: dict[str, types.ModuleType | None]) -> None:
             sys.modules[name] = module
     for name in [m for m in sys.modules if m == "parameters" or m == "modules" or m.startswith("modules.")]:
         del sys.modules[name]
+
+
+def their_feature_width(width: float) -> int:
+    """Their ResNets' feature width narrowed (1024 channels at full width), the ``--latent_size``
+    their Velo CVAE and feature loss are built for: it must equal what the narrowed nets emit."""
+    return max(1, int(round(1024 * width)))
 
 
 def narrowed_nn(width: float) -> types.ModuleType:
@@ -240,14 +258,14 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, method:
     argv = ["authors_felo", "--new_VAE" if method == "velo" else "--op", "--resnet_flag", "--dataset", "Fmnist", "--epoch", str(epoch),
             "--clients_number", str(NUM_CLIENTS), "--clients_sample_ratio", str(SAMPLE_RATIO),
             "--batch_size", str(BATCH), "--clients_training_epoch", str(STEPS), "--learning_rate", "1e-3",
-            "--alpha", "0.5", "--latent_size", str(int(round(1024 * args.width)))]
+            "--alpha", "0.5", "--latent_size", str(their_feature_width(args.width))]
     if method != "local":
         argv.append("--y_distillation_flag")
     saved_argv, sys.argv = sys.argv, argv
     sys.path.insert(0, str(authors))
     for name in [m for m in sys.modules if m == "parameters" or m.startswith("modules")]:
         del sys.modules[name]  # a fresh args namespace and fresh modules for each run
-    replaced = install_stand_ins()
+    replaced = install_stand_ins(method if method != "local" else "felo")
     try:
         import modules.Dataset as dataset_mod
         import modules.ResnetModel as resnet_mod
@@ -258,95 +276,98 @@ def run_authors(args, ds, parts: list[np.ndarray], test_idx: np.ndarray, method:
         raise
     finally:
         sys.argv = saved_argv
-    resnet_mod.nn = narrowed_nn(args.width)
+    real_torch_seed = torch.seed
+    try:  # whatever happens, their modules, path and patches go: a later run (or caller) starts clean
+        resnet_mod.nn = narrowed_nn(args.width)
 
-    x_train, y_train = resized(ds.x_train), ds.y_train.numpy().astype("int64")
-    x_test, y_test = resized(ds.x_test[test_idx]), ds.y_test[test_idx].numpy().astype("int64")
+        x_train, y_train = resized(ds.x_train), ds.y_train.numpy().astype("int64")
+        x_test, y_test = resized(ds.x_test[test_idx]), ds.y_test[test_idx].numpy().astype("int64")
 
-    class EdgeflSplit:
-        """Their Dataset's interface (train: one BatchGenerator per client, test: one), edgefl's data."""
+        class EdgeflSplit:
+            """Their Dataset's interface (train: one BatchGenerator per client, test: one), edgefl's data."""
 
-        def __init__(self, *a, **k) -> None:
-            self.train = [dataset_mod.BatchGenerator(x_train[p], y_train[p]) for p in parts]
-            self.test = dataset_mod.BatchGenerator(x_test, y_test)
+            def __init__(self, *a, **k) -> None:
+                self.train = [dataset_mod.BatchGenerator(x_train[p], y_train[p]) for p in parts]
+                self.test = dataset_mod.BatchGenerator(x_test, y_test)
 
-    server_mod.Dataset = EdgeflSplit
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    seeds = np.random.default_rng(args.seed + 1)
-    iterations = epoch * 2
-    every = int(iterations / 100)  # their loop evaluates at ep % every == 0 (Server_op.py:593-599)
-    curve_at = {(round(i * iterations / args.curve) - 1) // every * every for i in range(1, args.curve)}  # 0-based ep
-    state = {"ep": -1, "scores": {}}
-    real_evaluate = server_mod.Server.evaluate
-    real_choose = server_mod.Server.choose_clients
+        server_mod.Dataset = EdgeflSplit
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        seeds = np.random.default_rng(args.seed + 1)
+        iterations = epoch * 2
+        every = int(iterations / 100)  # their loop evaluates at ep % every == 0 (Server_op.py:593-599)
+        curve_at = {(round(i * iterations / args.curve) - 1) // every * every for i in range(1, args.curve)}  # 0-based ep
+        state = {"ep": -1, "scores": {}}
+        real_evaluate = server_mod.Server.evaluate
+        real_choose = server_mod.Server.choose_clients
 
-    def choose_clients(self):
-        state["ep"] += 1
-        return real_choose(self)
+        def choose_clients(self):
+            state["ep"] += 1
+            return real_choose(self)
 
-    def evaluate(self, dataset, batch_size, eval_model):
-        if state["ep"] not in curve_at:
-            return 0.0, 0.0  # their loop evaluates every 1 %: only the curve's points are worth the time here
-        return judged(self, dataset, batch_size, eval_model, keep=True)
+        def evaluate(self, dataset, batch_size, eval_model):
+            if state["ep"] not in curve_at:
+                return 0.0, 0.0  # their loop evaluates every 1 %: only the curve's points are worth the time here
+            return judged(self, dataset, batch_size, eval_model, keep=True)
 
-    def judged(self, dataset, batch_size, eval_model, keep=False):
-        rng = np.random.get_state()  # their test batches shuffle NumPy's generator: judging must not change the run
-        loss, acc = real_evaluate(self, dataset, batch_size, eval_model)
-        np.random.set_state(rng)
-        if keep:
-            state["scores"].setdefault(state["ep"], []).append(acc)
-        return loss, acc
+        def judged(self, dataset, batch_size, eval_model, keep=False):
+            rng = np.random.get_state()  # their test batches shuffle NumPy's generator: judging must not change the run
+            loss, acc = real_evaluate(self, dataset, batch_size, eval_model)
+            np.random.set_state(rng)
+            if keep:
+                state["scores"].setdefault(state["ep"], []).append(acc)
+            return loss, acc
 
-    def reseed() -> int:
-        """``torch.seed()`` as their Velo server calls it after generating (Server_new_VAE.py:354):
-        a seed from ``seeds``, not from the clock, so the run repeats."""
-        s = int(seeds.integers(2**31))
-        torch.manual_seed(s)
-        return s
+        def reseed() -> int:
+            """``torch.seed()`` as their Velo server calls it after generating (Server_new_VAE.py:354):
+            a seed from ``seeds``, not from the clock, so the run repeats."""
+            s = int(seeds.integers(2**31))
+            torch.manual_seed(s)
+            return s
 
-    cvae = {"trainings": 0, "seconds": 0.0}
-    if method == "velo":
-        real_training = server_mod.CVAE.server_extractor_training
+        cvae = {"trainings": 0, "seconds": 0.0}
+        if method == "velo":
+            real_training = server_mod.CVAE.server_extractor_training
 
-        def timed_training(*a, **k):
-            t0 = time.perf_counter()
-            out = real_training(*a, **k)
-            cvae["trainings"] += 1
-            cvae["seconds"] += time.perf_counter() - t0
-            return out
+            def timed_training(*a, **k):
+                t0 = time.perf_counter()
+                out = real_training(*a, **k)
+                cvae["trainings"] += 1
+                cvae["seconds"] += time.perf_counter() - t0
+                return out
 
-        server_mod.CVAE.server_extractor_training = timed_training
-    server_mod.Server.choose_clients = choose_clients
-    server_mod.Server.evaluate = evaluate
-    server_mod.Server.get_random_seed = lambda self: int(seeds.integers(2**31))
-    real_torch_seed, torch.seed = torch.seed, reseed
+            server_mod.CVAE.server_extractor_training = timed_training
+        server_mod.Server.choose_clients = choose_clients
+        server_mod.Server.evaluate = evaluate
+        server_mod.Server.get_random_seed = lambda self: int(seeds.integers(2**31))
 
-    from collections import namedtuple
+        from collections import namedtuple
 
-    fields = ["clients_number", "clients_sample_ratio", "epoch", "learning_rate", "decay_rate", "num_input",
-              "num_input_channel", "num_classes", "batch_size", "clients_training_epoch", "distorted_data", "dataset", "device"]
-    params = namedtuple("parameters", fields)(NUM_CLIENTS, SAMPLE_RATIO, epoch, 1e-3, 1, 32, 1, 10, BATCH, STEPS,
-                                              False, "Fmnist", torch.device("cpu"))
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory() as work:
-        os.chdir(work)  # their loop saves every model into ./state_dict/ at each evaluation
-        os.makedirs("state_dict")
-        try:
-            server = server_mod.Server(params)
-            sizes = [c.model.__class__.__name__ for c in server.clients_dict.values()]
-            n_params = [sum(p.numel() for p in c.model.parameters()) for c in server.clients_dict.values()]
-            log(f"authors {label}: clients {sizes}, parameters {n_params}")
-            server.asynchronous_training()
-            # the final evaluation: every client, their evaluator
-            per_client = [float(judged(server, server.dataset_server.test, BATCH * 10, server.clients_dict[k])[1])
-                          for k in range(NUM_CLIENTS)]
-        finally:
-            os.chdir(cwd)
-            torch.seed = real_torch_seed
-            server_mod.Server.evaluate, server_mod.Server.choose_clients = real_evaluate, real_choose
-            sys.path.remove(str(authors))
-            restore_modules(replaced)
+        fields = ["clients_number", "clients_sample_ratio", "epoch", "learning_rate", "decay_rate", "num_input",
+                  "num_input_channel", "num_classes", "batch_size", "clients_training_epoch", "distorted_data", "dataset", "device"]
+        params = namedtuple("parameters", fields)(NUM_CLIENTS, SAMPLE_RATIO, epoch, 1e-3, 1, 32, 1, 10, BATCH, STEPS,
+                                                  False, "Fmnist", torch.device("cpu"))
+        cwd = os.getcwd()
+        with tempfile.TemporaryDirectory() as work:
+            os.chdir(work)  # their loop saves every model into ./state_dict/ at each evaluation
+            os.makedirs("state_dict")
+            try:
+                torch.seed = reseed
+                server = server_mod.Server(params)
+                sizes = [c.model.__class__.__name__ for c in server.clients_dict.values()]
+                n_params = [sum(p.numel() for p in c.model.parameters()) for c in server.clients_dict.values()]
+                log(f"authors {label}: clients {sizes}, parameters {n_params}")
+                server.asynchronous_training()
+                # the final evaluation: every client, their evaluator
+                per_client = [float(judged(server, server.dataset_server.test, BATCH * 10, server.clients_dict[k])[1])
+                              for k in range(NUM_CLIENTS)]
+            finally:
+                os.chdir(cwd)
+                server_mod.Server.evaluate, server_mod.Server.choose_clients = real_evaluate, real_choose
+    finally:
+        torch.seed = real_torch_seed
+        sys.path.remove(str(authors))
+        restore_modules(replaced)
     curve = [(ep + 1, float(np.mean(a))) for ep, a in sorted(state["scores"].items()) if len(a) == NUM_CLIENTS]
     curve.append((iterations, float(np.mean(per_client))))
     per_model = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -59,6 +60,14 @@ def test_a_wrong_command_is_refused_before_any_data_is_loaded(harness, tmp_path,
 
 
 def test_a_checkout_with_every_file_the_script_runs_is_accepted(harness, tmp_path):
+    # every module of theirs the script imports, and the ones those import, is a file it checks for
+    source = SCRIPT.read_text()
+    imported = set(re.findall(r'"(modules\.\w+)"', source)) | set(re.findall(r"import (modules\.\w+)", source))
+    stand_ins = {"modules.utils", "modules.Model", "modules.old_Model", "modules.GAN_model"}  # .pyc only in their repository
+    assert {"modules.Server_op", "modules.Server_new_VAE", "modules.Dataset", "modules.ResnetModel"} <= imported
+    expected = {m.replace(".", "/") + ".py" for m in imported - stand_ins}
+    expected |= {"modules/Client_op.py", "modules/Client_new_VAE.py", "modules/VAE_model.py", "parameters.py"}
+    assert expected <= set(harness.AUTHORS_FILES)
     assert "modules/Server_new_VAE.py" in harness.checkout_problem(tmp_path)
     for name in harness.AUTHORS_FILES:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -81,11 +90,12 @@ def test_every_edgefl_config_the_script_builds_is_valid(harness, method, persona
 
 
 def test_the_stand_ins_leave_sys_modules_as_they_found_it(harness):
-    before = {name: sys.modules.get(name) for name in ("pandas", "tqdm", "tkinter", "modules.utils", "torch.utils.tensorboard")}
-    replaced = harness.install_stand_ins()
-    assert sys.modules["modules.utils"].get_model_mask(None) == "felo"
+    before = dict(sys.modules)
+    replaced = harness.install_stand_ins("velo")
+    assert {"pandas", "tqdm", "tkinter", "pdb", "modules.utils", "modules.GAN_model", "torch.utils.tensorboard"} <= set(replaced)
+    assert sys.modules["modules.utils"].get_model_mask(None) == "velo"
     harness.restore_modules(replaced)
-    assert {name: sys.modules.get(name) for name in before} == before
+    assert {name: sys.modules.get(name) for name in replaced} == {name: before.get(name) for name in replaced}
 
 
 def test_the_narrowed_nn_scales_every_channel_count_but_the_images(harness):
@@ -94,3 +104,9 @@ def test_the_narrowed_nn_scales_every_channel_count_but_the_images(harness):
     assert (stem.in_channels, stem.out_channels) == (1, 16)
     assert (conv.in_channels, conv.out_channels, bn.num_features) == (16, 64, 64)
     assert nn.Linear is torch.nn.Linear  # their head reads latent_size, which the script narrows itself
+
+
+@pytest.mark.parametrize("width", [0.1, 0.25, 0.3, 1.0])
+def test_their_latent_size_is_the_width_their_narrowed_nets_emit(harness, width):
+    # their last stage ends in 1024 channels; their Velo CVAE and feature loss are built for --latent_size
+    assert harness.narrowed_nn(width).Conv2d(512, 1024, 1).out_channels == harness.their_feature_width(width)
