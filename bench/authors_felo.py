@@ -54,7 +54,7 @@ Adam 1e-3 kept for the run, 10 batches of 50 per selection, 2 of 10 clients an i
 option (latent and hidden width = each side's own feature width: 256 theirs, 128 edgefl's at width
 0.25; 10 epochs every 1 % of the run; one synthetic feature per class); it still trains on the
 clients' per-class means, not on every sample's feature as theirs does. What edgefl does not do as their code does is listed in
-docs/methods.md ("Felo beside the authors' code").
+docs/methods.md ("Felo and Velo beside the authors' code").
 
     python bench/authors_felo.py --authors-dir /tmp/authors/Felo_Velo [--iterations 200] [--seed 0]
         [--partition iid|dirichlet] [--width 0.25] [--test-samples 2000] [--sides authors,edgefl]
