@@ -77,7 +77,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import accuracy_logger, load, plot_curves, save
+from common import RESULTS, accuracy_logger, load, plot_curves, save
 
 from edgefl.build import build_run
 from edgefl.config import validate_config
@@ -394,6 +394,26 @@ def checkout_problem(authors: Path) -> str | None:
     return None
 
 
+SAME_RUN = ("iterations", "seed", "partition", "alpha", "width", "feature_dim", "test_samples", "curve")
+
+
+def earlier_results(path: Path, same: dict[str, str]) -> dict:
+    """The finished runs of an earlier sitting, if it ran the same setting (else none, said why)."""
+    import json
+
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as exc:
+        sys.exit(f"{path} is not a result this script wrote ({exc}); move it away or drop --resume")
+    if saved.get("same_run") != same:
+        changed = sorted(k for k in same if (saved.get("same_run") or {}).get(k) != same[k])
+        sys.exit(f"{path} holds another setting ({', '.join(changed) or 'no setting recorded'} differ); "
+                 "give this one another --tag, or drop --resume")
+    return dict(saved.get("results") or {})
+
+
 def checkout_digests(authors: Path) -> dict[str, str]:
     """SHA-256 of each .py file of their checkout: what ran, checkable without its git history."""
     import hashlib
@@ -425,6 +445,8 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--plot-dir", type=Path, default=None, help="also draw the accuracy curves there")
     p.add_argument("--replot", type=Path, default=None, help="draw the curves of a saved result (no runs)")
+    p.add_argument("--resume", action="store_true", help="keep the runs an earlier sitting of the same setting and --tag "
+                                                         "finished (bench/results/authors_felo-TAG.json), run the rest")
     args = p.parse_args()
     if args.replot:
         import json
@@ -464,29 +486,47 @@ def main() -> None:
     results: dict = {}
     jobs = []
     for method in methods:
-        name = method.capitalize() if method != "local" else "local"
+        shown = method.capitalize() if method != "local" else "local"
         if "authors" in sides:
-            jobs.append((f"authors {name}", lambda m=method, n=name: run_authors(args, ds, parts, test_idx, m, n)))
+            jobs.append((f"authors {shown}", lambda m=method, n=shown: run_authors(args, ds, parts, test_idx, m, n)))
         if "edgefl" in sides:
-            jobs.append((f"edgefl {name}", lambda m=method, n=name: run_edgefl(edgefl_config(args, m), ds, n)))
+            jobs.append((f"edgefl {shown}", lambda m=method, n=shown: run_edgefl(edgefl_config(args, m), ds, n)))
             if method != "local":
-                jobs.append((f"edgefl {name}, personal",
-                             lambda m=method, n=name: run_edgefl(edgefl_config(args, m, personal=True), ds, f"{n}, personal")))
+                jobs.append((f"edgefl {shown}, personal",
+                             lambda m=method, n=shown: run_edgefl(edgefl_config(args, m, personal=True), ds, f"{n}, personal")))
+    setting = (f"Fashion-MNIST {args.partition}, {args.iterations} iterations of 2 clients x {STEPS} batches of {BATCH}, "
+               f"seed {args.seed}, width {args.width}")
+    stem = "authors_felo" + (f"-{args.tag}" if args.tag else "")
+    extra = {"authors_checkout_sha256": checkout_digests(args.authors_dir.resolve())} if "authors" in sides else {}
+    same = {k: str(getattr(args, k)) for k in SAME_RUN}
+    if args.resume:  # what an earlier sitting of the same setting finished is kept, not run again
+        earlier = earlier_results(RESULTS / f"{stem}.json", same)
+        results.update({label: r for label, r in earlier.items() if label in dict(jobs)})
+        if results:
+            log(f"taken from {RESULTS / (stem + '.json')}: {', '.join(results)}")
+
+    def record(complete: bool) -> Path:
+        """Saved after every run, so a stopped command keeps what finished (--resume goes on from it)."""
+        return save(stem, {"setting": setting, "args": {k: str(v) for k, v in vars(args).items()}, "same_run": same,
+                           "split_sizes": [len(q) for q in parts], "results": results, "complete": complete, **extra})
+
     for label, job in jobs:
+        if label in results:
+            continue
         t0 = time.perf_counter()
         results[label] = job()
         results[label]["seconds"] = round(time.perf_counter() - t0)
         torch.set_num_threads(args.threads)
         log(f"{label}: {results[label]['own']:.4f} in {results[label]['seconds']} s")
+        record(complete=False)
+    results = {label: results[label] for label, _ in jobs}  # the command's order, whichever sitting ran each
 
-    setting = (f"Fashion-MNIST {args.partition}, {args.iterations} iterations of 2 clients x {STEPS} batches of {BATCH}, "
-               f"seed {args.seed}, width {args.width}")
     cols = list(results)
     print(f"\n{setting}\n| | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     print("| mean accuracy | " + " | ".join(f"{100 * results[c]['own']:.2f}" for c in cols) + " |")
     rows = list(dict.fromkeys(name for c in cols for name in results[c]["per_model"]))  # edgefl's depths, their classes
-    for name in rows:
-        print(f"| {name} | " + " | ".join(f"{100 * results[c]['per_model'][name]:.2f}" if name in results[c]["per_model"] else ""
+    for row in rows:
+        print(f"| {row} | " + " | ".join(f"{100 * results[c]['per_model'][row]:.2f}" if row in results[c]["per_model"] else ""
                                           for c in cols) + " |")
     print("| seconds | " + " | ".join(str(results[c]["seconds"]) for c in cols) + " |")
     for label in cols:
@@ -494,13 +534,10 @@ def main() -> None:
         if label != f"{side} local" and f"{side} local" in results:
             gain = 100 * (results[label]["own"] - results[f"{side} local"]["own"])
             print(f"{label} - {side} local = {gain:+.2f} points")
-    name = "authors_felo" + (f"-{args.tag}" if args.tag else "")
-    extra = {"authors_checkout_sha256": checkout_digests(args.authors_dir.resolve())} if "authors" in sides else {}
-    path = save(name, {"setting": setting, "args": {k: str(v) for k, v in vars(args).items()},
-                       "split_sizes": [len(q) for q in parts], "results": results, **extra})
+    path = record(complete=True)
     print(f"saved {path}")
     if args.plot_dir:
-        print(f"drew {plot({'setting': setting, 'results': results}, args.plot_dir / (name + '.png'))}")
+        print(f"drew {plot({'setting': setting, 'results': results}, args.plot_dir / (stem + '.png'))}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def save(name: str, payload: dict[str, Any]) -> Path:
         "torch_threads": torch.get_num_threads(),
     }
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    part = path.with_suffix(".json.part")  # written whole, then renamed: a run stopped mid-write leaves the last save
+    part.write_text(json.dumps(payload, indent=2, default=str))
+    part.replace(path)
     return path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -110,3 +111,16 @@ def test_the_narrowed_nn_scales_every_channel_count_but_the_images(harness):
 def test_their_latent_size_is_the_width_their_narrowed_nets_emit(harness, width):
     # their last stage ends in 1024 channels; their Velo CVAE and feature loss are built for --latent_size
     assert harness.narrowed_nn(width).Conv2d(512, 1024, 1).out_channels == harness.their_feature_width(width)
+
+
+def test_resume_keeps_an_earlier_sitting_of_the_same_setting_only(harness, tmp_path, capsys):
+    same = {k: "0" for k in harness.SAME_RUN}
+    saved = tmp_path / "authors_felo-x.json"
+    assert harness.earlier_results(saved, same) == {}  # nothing saved yet: everything runs
+    saved.write_text(json.dumps({"same_run": same, "results": {"authors Velo": {"own": 0.8}}, "complete": False}))
+    assert harness.earlier_results(saved, same) == {"authors Velo": {"own": 0.8}}
+    with pytest.raises(SystemExit, match="holds another setting \\(seed differ\\)"):
+        harness.earlier_results(saved, {**same, "seed": "1"})
+    saved.write_text('{"results": ')  # a sitting stopped while writing
+    with pytest.raises(SystemExit, match="is not a result this script wrote"):
+        harness.earlier_results(saved, same)
