@@ -80,6 +80,7 @@ import torch.nn.functional as F
 from common import RESULTS, accuracy_logger, load, plot_curves, save
 
 from edgefl.build import build_run
+from edgefl.environment import machine
 from edgefl.config import validate_config
 from edgefl.sim import Simulation
 
@@ -499,16 +500,17 @@ def main() -> None:
     stem = "authors_felo" + (f"-{args.tag}" if args.tag else "")
     extra = {"authors_checkout_sha256": checkout_digests(args.authors_dir.resolve())} if "authors" in sides else {}
     same = {k: str(getattr(args, k)) for k in SAME_RUN}
-    if args.resume:  # what an earlier sitting of the same setting finished is kept, not run again
-        earlier = earlier_results(RESULTS / f"{stem}.json", same)
-        results.update({label: r for label, r in earlier.items() if label in dict(jobs)})
-        if results:
-            log(f"taken from {RESULTS / (stem + '.json')}: {', '.join(results)}")
+    earlier = earlier_results(RESULTS / f"{stem}.json", same) if args.resume else {}
+    results.update({label: r for label, r in earlier.items() if label in dict(jobs)})  # not run again
+    if earlier:
+        log(f"taken from {RESULTS / (stem + '.json')}: {', '.join(earlier)}")
 
     def record(complete: bool) -> Path:
-        """Saved after every run, so a stopped command keeps what finished (--resume goes on from it)."""
+        """Saved after every run, so a stopped command keeps what finished (--resume goes on from it);
+        runs of an earlier sitting this command does not ask for (another --sides or --methods) stay."""
         return save(stem, {"setting": setting, "args": {k: str(v) for k, v in vars(args).items()}, "same_run": same,
-                           "split_sizes": [len(q) for q in parts], "results": results, "complete": complete, **extra})
+                           "split_sizes": [len(q) for q in parts], "results": {**earlier, **results},
+                           "complete": complete, **extra})
 
     for label, job in jobs:
         if label in results:
@@ -516,6 +518,7 @@ def main() -> None:
         t0 = time.perf_counter()
         results[label] = job()
         results[label]["seconds"] = round(time.perf_counter() - t0)
+        results[label]["machine"] = machine()  # sittings may run on other machines
         torch.set_num_threads(args.threads)
         log(f"{label}: {results[label]['own']:.4f} in {results[label]['seconds']} s")
         record(complete=False)

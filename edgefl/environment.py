@@ -25,6 +25,19 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def cpu_model() -> str | None:
+    """The processor's name (Linux: /proc/cpuinfo; elsewhere what ``platform`` knows), or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Model") and value.strip():
+                    return value.strip()[:200]
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def machine() -> dict[str, Any]:
     freq = psutil.cpu_freq()
     info: dict[str, Any] = {
@@ -32,6 +45,9 @@ def machine() -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}",
         "arch": platform.machine(),
         "python": platform.python_version(),
+        "cpu": cpu_model(),
+        # the kernels torch dispatches to (same seed, other kernels: other last digits; docs/methods.md)
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "cpu_mhz": round(freq.max or freq.current) if freq else None,
         "ram_bytes": psutil.virtual_memory().total,

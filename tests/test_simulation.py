@@ -47,6 +47,7 @@ def test_run_directory_contents(tmp_path):
     assert set(per_arch) == {"fedhe-cnn-0(width=0.125)", "mlp(hidden=[32, 16])"}
     summ = json.loads((root / "summary.json").read_text())
     assert summ["seed"] == 0 and summ["versions"]["torch"] and summ["machine"]["cpu_count"]
+    assert summ["machine"]["torch_cpu_capability"] and "cpu" in summ["machine"]  # what decides the last digits
     assert summ["final_accuracy"]["overall"] == pytest.approx(sum(summ["final_accuracy"]["per_client"].values()) / 4)
     # the resolved config re-runs as is
     assert load_config(root / "config.toml").to_dict() == sim.cfg.to_dict()
