@@ -58,27 +58,40 @@ def _digest(raw: dict[str, Any]) -> str:
     return hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
 
 
-def config_digest(cfg: RunConfig) -> str:
-    """What a checkpoint must be resumed with: the config, less how often it checkpoints (that
-    changes none of the run's numbers, so a resume may change it)."""
-    raw = cfg.to_dict()
-    raw.get("simulation", {}).pop("checkpoint_every", None)
-    return _digest(raw)
+#: settings a resume may change: they change none of the run's numbers (how often it checkpoints)
+RESUME_MAY_CHANGE = (("simulation", "checkpoint_every"),)
 
 
-#: settings added since checkpoints were first written, with the value that gives an older run's numbers
-ADDED_SINCE = {("eval", "unselected"): "last_reported"}
-
-
-def legacy_digests(cfg: RunConfig) -> set[str]:
-    """What a checkpoint written by an older edgefl carries for this config: the whole config
-    (checkpoint_every included), without the settings added since."""
-    raw = cfg.to_dict()
-    for (table, key) in ADDED_SINCE:
+def _without_resume_changes(raw: dict[str, Any]) -> dict[str, Any]:
+    for table, key in RESUME_MAY_CHANGE:
         raw.get(table, {}).pop(key, None)
-    whole = _digest(raw)
-    raw.get("simulation", {}).pop("checkpoint_every", None)
-    return {whole, _digest(raw)}
+    return raw
+
+
+def config_digest(cfg: RunConfig) -> str:
+    """What a checkpoint must be resumed with: the config, less what a resume may change."""
+    return _digest(_without_resume_changes(cfg.to_dict()))
+
+
+#: settings added since checkpoints were first written, oldest first, each with the value that
+#: gives an older run's numbers. A new setting with a default goes here (tests/test_resume_compat.py
+#: says so): without it the digest of every older checkpoint changes and their resumes are refused.
+ADDED_SINCE: dict[tuple[str, str], Any] = {("eval", "unselected"): "last_reported"}
+
+
+def legacy_digests(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
+    """What a checkpoint written by an older edgefl carries for this config, each with the settings
+    that checkpoint predates: the config without the settings added since each step of ADDED_SINCE,
+    whole (older versions digested checkpoint_every too) and less what a resume may change."""
+    added = list(ADDED_SINCE)
+    digests: dict[str, list[tuple[str, str]]] = {}
+    for since in range(len(added)):
+        raw = cfg.to_dict()
+        for table, key in added[since:]:
+            raw.get(table, {}).pop(key, None)
+        digests.setdefault(_digest(raw), added[since:])
+        digests.setdefault(_digest(_without_resume_changes(raw)), added[since:])
+    return digests
 
 
 class RunSession:
@@ -205,8 +218,10 @@ class RunSession:
                               hint="pass the --out folder of the interrupted run, or drop --resume")
         extra = load_state(self.server, self.run_dir.path / STATE_FILE)
         saved_digest = extra.get("config_sha256")
-        if saved_digest != config_digest(self.cfg) and saved_digest in legacy_digests(self.cfg):
-            for (table, key), older in ADDED_SINCE.items():  # the older run's numbers go on as they were
+        legacy = legacy_digests(self.cfg)
+        if saved_digest != config_digest(self.cfg) and saved_digest in legacy:
+            for table, key in legacy[saved_digest]:  # the older run's numbers go on as they were
+                older = ADDED_SINCE[(table, key)]
                 if getattr(getattr(self.cfg, table), key) != older:
                     log.warning("the checkpoint predates %s.%s: the run goes on with %r, as it began", table, key, older)
                     setattr(getattr(self.cfg, table), key, older)
@@ -404,7 +419,7 @@ def _config_changes(cfg: RunConfig, run_dir: Path) -> str:
         return ""
     now = flat(tomllib.loads(cfg.to_toml()))
     changed = [f"{k} {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k) and k != "simulation.checkpoint_every"]  # the one change a resume may make
+               if saved.get(k) != now.get(k) and tuple(k.split(".", 1)) not in RESUME_MAY_CHANGE]
     return f": {', '.join(changed[:5])}" + (" ..." if len(changed) > 5 else "") if changed else ""
 
 
