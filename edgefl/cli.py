@@ -130,13 +130,13 @@ def simulate(
         return
     run = RunDir(out_dir) if resume else RunDir.create(out_dir, cfg.name, cfg.seed)
     n = cfg.fleet.num_clients
+    sim = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts)
+    first = sim.resume() if resume else 1  # a refused resume says why before any header with the new config's numbers
     err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
     _say_data(parts)
     stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
-    sim = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts)
     if resume:
-        first = sim.resume()
         if cfg.mode == "async":
             finished = (run.path / "summary.json").is_file() and run.read_json("summary.json").get("interrupted") is False
             err.print(("this run had finished; " if finished else "")
@@ -333,6 +333,8 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
                           + (f", {safe(info['source'], 200)}" if info.get("source") else ""))
         elif kind == "declined":
             console.print(f"  [yellow]{safe(info['device'])} declined[/]: {safe(info['reason'])}")
+        elif kind == "warning":
+            console.print(f"  [yellow]{safe(info['device'])}[/]: {safe(info['reason'])}")
         elif kind == "round":
             console.print(f"[bold]round {info['round']}/{total}[/]: {len(info['selected'])} devices selected")
         elif kind == "upload":
@@ -475,6 +477,9 @@ def server(
         if out_dir is None:
             raise EdgeflError("--resume needs --out: the run directory of the interrupted run")
         run = RunDir(out_dir)
+        if _finished(run):  # resuming would rewrite its summary, models and plots with nothing played
+            err.print(f"{run.path} holds a finished run: nothing to resume (its results stay as they are)")
+            return
     else:
         run = RunDir.create(out_dir, cfg.name, cfg.seed, overwrite=overwrite)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
@@ -488,6 +493,14 @@ def server(
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
     _fail_on_interrupt(summary, stop, run.path, f" (continue it: edgefl server ... --out {run.path} --resume)")
     _fail_on_failed_rounds(summary, run.path)
+
+
+def _finished(run: Any) -> bool:
+    """Whether a run directory's summary says the run ended by itself (not interrupted)."""
+    try:
+        return run.read_json("summary.json").get("interrupted") is False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @app.command()
@@ -1081,8 +1094,9 @@ def dashboard(
 @app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
     """Re-draw a run's plots and print its tables."""
-    from edgefl.report import accuracy_table, communication_table, draw_plots
+    from edgefl.report import accuracy_table, communication_table, draw_plots, participation_notes
     from edgefl.rundir import RunDir
+    from edgefl.safetext import console_text
 
     if not run_dir.is_dir():
         raise EdgeflError(f"{run_dir} is not a directory", hint="pass a run directory, e.g. runs/<time>-<name>-s<seed>")
@@ -1092,6 +1106,8 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> 
     _say_verdict(run)
     out.print(communication_table(run))
     _print_rounds_table(run)
+    for note in participation_notes(run):
+        out.print(f"[yellow]{console_text(note)}[/]")
     for p in paths:
         out.print(f"wrote {p}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,8 @@ class Joiner:
         started = self.transport.now()
         while timeout_s is None or self.transport.now() - started < timeout_s:
             asked.add(self._join("hello", **({"profile": self.profile} if self.profile is not None else {})).message_id)
-            reply = self._reply(asked, wait, ("task", "nack"))
+            left = math.inf if timeout_s is None else timeout_s - (self.transport.now() - started)
+            reply = self._reply(asked, max(min(wait, left), 0.0), ("task", "nack"))  # no wait past --timeout
             if reply is None:
                 if wait >= 8:
                     self.say(f"{self.device}: no answer from the server of federation {self.federation!r} yet; asking again")

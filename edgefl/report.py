@@ -386,6 +386,37 @@ def communication_table(run: RunDir) -> Table:
     return table
 
 
+def participation_notes(run: RunDir) -> list[str]:
+    """Who did not take part, and why, in a few lines: devices that declined (their data or
+    profile did not fit), devices missing from rounds, and the refusals the server counted."""
+    notes: list[str] = []
+    try:
+        clients = run.read_json("partition.json").get("clients", [])
+    except (OSError, ValueError, AttributeError):
+        clients = []
+    declined = [c for c in clients if isinstance(c, dict) and c.get("stage") == "declined"]
+    for c in declined[:8]:
+        notes.append(f"{printable(c.get('client_id'), 64)} declined: {printable(c.get('reason') or 'no reason given', 200)}")
+    if len(declined) > 8:
+        notes.append(f"and {len(declined) - 8} more devices declined (partition.json)")
+    missed: dict[str, list[int]] = {}
+    for m in run.metrics() if (run.path / "metrics.jsonl").is_file() else []:
+        for device in m.get("missing") or []:
+            missed.setdefault(str(device), []).append(m.get("round"))
+    for device, rounds in sorted(missed.items(), key=lambda kv: -len(kv[1]))[:8]:
+        notes.append(f"{printable(device, 64)} missing in {len(rounds)} round{'s' if len(rounds) > 1 else ''} "
+                     f"({few([str(r) for r in rounds], 6)}; metrics.jsonl: receipts say why)")
+    if len(missed) > 8:
+        notes.append(f"and {len(missed) - 8} more devices missing in some rounds")
+    try:
+        refused = run.read_json("summary.json").get("rejections", {}).get("count", 0)
+    except (OSError, ValueError, AttributeError):
+        refused = 0
+    if isinstance(refused, int) and refused > 0:
+        notes.append(f"{refused} message{'s' if refused > 1 else ''} refused (summary.json: rejections, by reason and sender)")
+    return notes
+
+
 def few(ids: list[str], show: int = 8) -> str:
     """``a, b, c and 5 more``."""
     return ", ".join(str(i) for i in ids[:show]) + (f" and {len(ids) - show} more" if len(ids) > show else "")

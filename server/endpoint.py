@@ -115,6 +115,7 @@ class ServerEndpoint:
                                        max_age_s=partial_max_age_s)
         self.online: dict[str, bool] = {}
         self.online_count = 0  # devices whose presence is online (kept with self.online: no scans per message)
+        self.offline_since: dict[str, float] = {}  # devices last seen going offline, since when (the transport's clock)
         self.rejections = Rejections()  # the whole run's, bounded
         self.listener: Listener | None = None
         self.model_version = 0
@@ -194,11 +195,17 @@ class ServerEndpoint:
                 self.send(device, Envelope(kind, self.federation, exchange.round, "server", body, model_version=exchange.round,
                                            codec=codec, extra={"info": {"run": self.run_id, **extra}}))
             deadline = self.transport.now() + deadline_s
-            while not exchange.complete and self.transport.now() < deadline and not until():
+            while not exchange.complete and self.transport.now() < deadline and not until() and not self._all_gone(exchange):
                 self.pump(min(deadline - self.transport.now(), 1.0))
             return dict(exchange.answers)
         finally:
             self.exchange = None
+
+    def _all_gone(self, exchange: Exchange) -> bool:
+        """Every device still to answer has been offline for ``offline_grace_s``: nobody is left to wait for."""
+        waiting = exchange.asked - exchange.answers.keys()
+        now = self.transport.now()
+        return bool(waiting) and all(now - self.offline_since.get(d, math.inf) >= self.net.offline_grace_s for d in waiting)
 
     # --- receiving --------------------------------------------------------------------------------
     def pump(self, timeout_s: float) -> None:
@@ -305,15 +312,27 @@ class ServerEndpoint:
                              model_version=self.model_version, extra={"info": {"run": self.run_id, "task": task.to_info()}})
             self.transport.send(device, pack(reply))
         elif stage == "ready":
-            problem = self.enrolment.ready_report(device, info)
+            problem, changed = self.enrolment.ready_report(device, info)
             if problem:
                 self.refuse(device, env, problem)
                 return
             self.reply(device, env, "ack", status="accepted")
+            if changed:
+                log.warning("%s enrolled again with other data (%s): a restart with new data, or a second process with the "
+                            "same --device-id (each device needs its own)", printable(device, 64), changed)
+                self.on_event("warning", {"device": device, "reason": f"enrolled again with other data ({changed})"})
             self.on_event("enrolled", {"device": device, **self.enrolment.devices[device].to_dict()})
+            if self.listener is not None:
+                # a device that restarted mid-round joins again before it listens for rounds, so the
+                # download resent when it came online was not for its device loop: send it now
+                self.listener.on_presence(device, True, False)
         elif stage == "decline":
-            reason = self.enrolment.decline(device, info)
-            self.count(device, f"declined: {reason}")
+            reason, kept = self.enrolment.decline(device, info)
+            if kept:  # a ready device is not evicted by a decline: a second process with its id may have sent it
+                self.refuse(device, env, f"declined ({reason}), but {device} is enrolled and ready: its registration stays "
+                                         "(a second process with the same --device-id? each device needs its own)")
+                return
+            self.count(device, f"declined: {reason}", announce=False)  # the "declined" event below says it once
             self.reply(device, env, "ack", status="accepted", reason="declined: recorded")
             self.on_event("declined", {"device": device, "reason": reason})
         else:
@@ -354,6 +373,10 @@ class ServerEndpoint:
     def _presence(self, device: str, online: bool) -> None:
         was = self.online.get(device, False)
         self.online[device] = online
+        if online:
+            self.offline_since.pop(device, None)
+        elif was or device not in self.offline_since:
+            self.offline_since[device] = self.transport.now()
         if online != was:
             self.online_count += 1 if online else -1
             self.on_event("presence", {"device": device, "online": online})
@@ -367,6 +390,7 @@ class ServerEndpoint:
             self._connects_seen = self.transport.connects
             self.online = {}
             self.online_count = 0
+            self.offline_since = {}
             self.on_event("reconnected", {"connects": self._connects_seen})
 
     # --- checks -----------------------------------------------------------------------------------
@@ -434,13 +458,14 @@ class ServerEndpoint:
         return upload_problem(message, self.num_classes, self.net.max_abs_value, self.max_epochs)
 
     # --- refusing ---------------------------------------------------------------------------------
-    def count(self, device: str, reason: str) -> bool:
+    def count(self, device: str, reason: str, announce: bool = True) -> bool:
         """Count a refusal in the policy's and the run's bounded summaries; True when it is to be
-        logged in full (the first few of a round, then a sample)."""
+        logged in full (the first few of a round, then a sample). ``announce=False``: counted only
+        (the caller has its own event for it, as a decline has)."""
         bucket = self.listener.rejections_now() if self.listener is not None else None
         loud = bucket.add(device, reason) if bucket is not None else True
         self.rejections.add(device, reason)
-        if loud:
+        if loud and announce:
             # ids and reasons quote the network: no fake log lines, no markup that breaks the console printer
             who, why = printable(device, 64), printable(reason, 300)
             log.warning("rejected from %s: %s", who, why)

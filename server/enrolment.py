@@ -133,28 +133,39 @@ class Enrolment:
             self.devices[device] = Enrolled("task sent", profile=profile_id)
         return self.task(device, run_id), ""
 
-    def ready_report(self, device: str, info: dict[str, Any]) -> str:
-        """Record a device's ``ready``; returns why it is refused ("" when accepted)."""
+    def ready_report(self, device: str, info: dict[str, Any]) -> tuple[str, str]:
+        """Record a device's ``ready``; returns why it is refused ("" when accepted) and, when the
+        device was ready before with other data, what changed (a restart with new data, or two
+        processes with one device id)."""
         num_classes = self.parts.ds.num_classes
         samples, validation, counts = info.get("samples"), info.get("validation", 0), info.get("class_counts")
         if not _count(samples) or samples < 1:
-            return "ready.samples must be a positive integer"
+            return "ready.samples must be a positive integer", ""
         if not _count(validation) or validation > samples:
-            return "ready.validation must be an integer between 0 and samples"
+            return "ready.validation must be an integer between 0 and samples", ""
         if not (isinstance(counts, list) and len(counts) == num_classes and all(_count(c) for c in counts)):
-            return f"ready.class_counts must list {num_classes} non-negative integers (one per class of the task)"
+            return f"ready.class_counts must list {num_classes} non-negative integers (one per class of the task)", ""
         if sum(counts) != samples:
-            return f"ready.class_counts sum to {sum(counts)}, but samples is {samples}"
+            return f"ready.class_counts sum to {sum(counts)}, but samples is {samples}", ""
         source = info.get("source", "")
+        before = self.devices.get(device)
+        changed = ""
+        if before is not None and before.stage == "ready" and (before.samples, before.class_counts) != (samples, list(counts)):
+            changed = f"{before.samples} samples before, {samples} now"
         self.devices[device] = Enrolled("ready", samples, validation, list(counts), str(source)[:200] if isinstance(source, str) else "",
-                                        profile=self.devices[device].profile if device in self.devices else None)
-        return ""
+                                        profile=before.profile if before is not None else None)
+        return "", changed
 
-    def decline(self, device: str, info: dict[str, Any]) -> str:
+    def decline(self, device: str, info: dict[str, Any]) -> tuple[str, bool]:
+        """Record a device's ``decline``: (its reason, whether the device stays ready). A device
+        already ready keeps its registration: the decline may come from a second process started
+        with its id, and the one that trains must not be dropped from the run by it."""
         reason = info.get("reason")
         text = reason[:MAX_TEXT] if isinstance(reason, str) and reason else "no reason given"
+        if self.is_ready(device):
+            return text, True
         self.devices[device] = Enrolled("declined", reason=text)
-        return text
+        return text, False
 
     def _profile_problem(self, slot: DeviceSlot, raw: Any) -> tuple[str, str | None]:
         """Why a device with this profile cannot train its model ("" when it can)."""

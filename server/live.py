@@ -124,6 +124,8 @@ class LiveState:
                 devices[info["device"]]["last_reason"] = info.get("reason")
         elif kind == "enrolled" and info.get("device") in devices:  # a device with its own data is ready
             devices[info["device"]].update(stage="ready", samples=info.get("samples"), held_out=info.get("validation"))
+        elif kind == "warning" and info.get("device") in devices:  # accepted, but worth an operator's look
+            devices[info["device"]]["last_reason"] = info.get("reason")
         elif kind == "declined" and info.get("device") in devices:
             devices[info["device"]].update(stage="declined", online=False, last_reason=info.get("reason"))
             force = True

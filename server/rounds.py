@@ -58,7 +58,8 @@ class RoundState:
     receipts: dict[str, str] = field(default_factory=dict)  # device -> "status[: reason]"
     offline_since: dict[str, float] = field(default_factory=dict)  # selected, unreported devices gone offline
     dropped: dict[str, str] = field(default_factory=dict)  # device -> the stage it did not answer
-    extended: bool = False
+    extended: bool = False  # the deadline was moved by grace_s
+    all_offline: bool = False  # closed early: every device it waited for was offline past offline_grace_s
     downloads: dict[str, Envelope] = field(default_factory=dict)
     accepted_ids: dict[str, str] = field(default_factory=dict)
     work_s: dict[str, float | None] = field(default_factory=dict)  # virtual seconds of work (simulation)
@@ -66,7 +67,7 @@ class RoundState:
     accepted: int = 0
     tally: Tally = field(default_factory=Tally)
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)  # what each stage saw (recorded when there are stages)
-    failure: str | None = None  # why a stage failed the round
+    failure: str | None = None  # why the round failed, when it says more than "no quorum by the deadline"
     closed_unix: float | None = None  # wall clock when the round stopped taking uploads
 
     def __post_init__(self) -> None:
@@ -247,9 +248,12 @@ class SyncRounds(RoundPolicy):
                 return "complete"
             remaining = st.deadline - self.clock.now()
             if self._all_gone(st):
-                remaining = 0
                 self.on_event("all_offline", {"round": st.round, "offline": sorted(st.offline_since)})
-                st.extended = True  # no grace either: nobody is left to report
+                st.all_offline = True  # no grace either: nobody is left to report
+                if len(st.reported) >= quorum:
+                    return "offline"
+                st.failure = f"no quorum ({len(st.reported)} of {quorum} reported): every device still out went offline"
+                return "failed"
             if remaining <= 0:
                 if len(st.reported) >= quorum:
                     return "deadline"
@@ -398,7 +402,8 @@ class SyncRounds(RoundPolicy):
                 clock_s: float, train_s: float, eval_s: float, wall_s: float) -> dict[str, Any]:
         missing = sorted(set(st.selected) - set(st.reported))
         unheard = "missing: the round reached its target first" if st.full else "missing: no upload by the deadline"
-        receipts = {d: st.receipts.get(d, unheard) for d in st.selected}
+        receipts = {d: st.receipts.get(d, "missing: offline past network.offline_grace_s" if st.all_offline and d in st.offline_since
+                                      else unheard) for d in st.selected}
         record: dict[str, Any] = {
             "round": st.round,
             "outcome": outcome,

@@ -193,7 +193,9 @@ def test_a_device_started_before_its_broker_keeps_trying_and_joins(tmp_path):
                     "--federation", "held-boot", "--broker-wait", "inf", "--timeout", "150")
     gave_up = _edgefl("client", "--broker", broker, "--device-id", "client-1", "--data", str(data["client-1"]),
                       "--federation", "held-boot", "--broker-wait", "2")
-    assert gave_up.wait(timeout=60) == 2 and "cannot reach the broker" in gave_up.stderr.read()
+    assert gave_up.wait(timeout=60) == 2
+    said = gave_up.stderr.read()
+    assert "cannot reach the broker" in said and "--broker-wait inf" in said and "edgefl fleet" not in said  # a device's hint
     time.sleep(3)  # the early device is retrying by now
     local = start_mosquitto(tmp_path / "mosquitto", port=port)
     try:
@@ -250,13 +252,32 @@ def test_ready_reports_are_checked_like_uploads():
     for bad, why in [({**good, "samples": 0}, "positive"), ({**good, "samples": True}, "positive"), ({**good, "validation": 31}, "between"),
                      ({**good, "class_counts": [30]}, "10 non-negative"), ({**good, "class_counts": [10, 19] + [0] * 8}, "sum to 29"),
                      ({**good, "class_counts": [-1, 31] + [0] * 8}, "non-negative")]:
-        assert why in enrolment.ready_report("client-0", bad)
+        assert why in enrolment.ready_report("client-0", bad)[0]
     assert enrolment.ready() == []
-    assert enrolment.ready_report("client-0", good) == "" and enrolment.ready() == ["client-0"]
+    assert enrolment.ready_report("client-0", good) == ("", "") and enrolment.ready() == ["client-0"]
+    assert enrolment.ready_report("client-0", good) == ("", "")  # a restart with the same data: nothing to say
     snapshot = enrolment.snapshot()
     again = Enrolment(enrolment.parts, "fed")
     again.restore(snapshot)  # what a resumed server knows of the devices that had joined
     assert again.ready() == ["client-0"] and again.devices["client-0"].class_counts == good["class_counts"]
+
+
+def test_a_ready_device_is_not_evicted_by_a_decline_and_other_data_is_named():
+    """Two processes started with one device id: the second's decline must not drop the one that
+    trains from the run, and a second ready with other data says what changed."""
+    from edgefl.server.enrolment import Enrolment
+
+    enrolment = Enrolment(_held_parts([{"model": "lenet5", "count": 2}]), "fed")
+    enrolment.hello("client-0", {}, "run-1")
+    good = {"samples": 30, "validation": 3, "class_counts": [10, 20] + [0] * 8}
+    assert enrolment.ready_report("client-0", good) == ("", "")
+    enrolment.hello("client-0", {}, "run-1")  # the second process asks for its task: the registration stays ready
+    assert enrolment.decline("client-0", {"reason": "/tmp/nope.npz does not exist"}) == ("/tmp/nope.npz does not exist", True)
+    assert enrolment.ready() == ["client-0"] and enrolment.declined() == []
+    assert enrolment.decline("client-1", {"reason": "no data"}) == ("no data", False)  # not ready: declined
+    assert enrolment.declined() == ["client-1"]
+    other = {"samples": 20, "validation": 2, "class_counts": [20] + [0] * 9}
+    assert enrolment.ready_report("client-0", other) == ("", "30 samples before, 20 now")
 
 
 @pytest.mark.parametrize("change,expected", [
@@ -275,3 +296,20 @@ def test_a_hostile_task_is_refused_with_the_field_named(change, expected):
         parse_task({**task, **change})
     with pytest.raises(PayloadError):
         parse_task(["not", "a", "task"])
+
+
+def test_asking_for_a_task_gives_up_at_its_timeout_not_after_the_next_wait():
+    """The hellos wait 2, 4, 8 ... s for an answer; the last wait is cut to what is left of --timeout."""
+    import time
+
+    from edgefl.enrol import Joiner
+    from edgefl.errors import EdgeflError
+    from edgefl.transport.memory import MemoryDeviceTransport, hub
+    from edgefl.transport.topics import Topics
+
+    transport = MemoryDeviceTransport(hub("no-server"), Topics("no-server"), "client-0")
+    t0 = time.monotonic()
+    with pytest.raises(EdgeflError, match="no task from the server of federation 'no-server' within 3 s"):
+        Joiner(transport, "client-0", "no-server", say=lambda text: None).ask_task(timeout_s=3)
+    assert time.monotonic() - t0 < 5  # uncut, the second wait (4 s) would end after 6 s
+    transport.close()

@@ -138,3 +138,102 @@ def test_a_round_whose_devices_all_died_closes_at_once_and_the_server_exits_non_
     assert summary["failed_rounds"] == [1, 2]
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(h["outcome"] == "failed" and h["reported"] == [] for h in history)
+    assert all("went offline" in h["failure"] for h in history), [h.get("failure") for h in history]
+
+
+def test_a_device_with_its_own_data_killed_mid_round_gets_that_round_again_when_it_rejoins(tmp_path):
+    """A device started with --data joins (hello, task, ready) before it listens for rounds: the
+    download resent when it came back online reached its joining, so the server sends it again once
+    the device is ready, and the round it was killed in completes with it (not by the deadline)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from edgefl.config import RunConfig
+    from edgefl.fleet.launcher import serve
+    from edgefl.rundir import RunDir
+    from tests.conftest import digits_config
+
+    federation = "held-crash"
+    raw = digits_config("fedavg", rounds=3)
+    raw["data"] = {"dataset": "digits", "partition": "devices"}
+    raw["fleet"] = {"groups": [{"model": "mlp", "count": 3, "options": {"hidden": [32, 16]}}]}
+    # a restart under a loaded CI machine takes seconds: the grace must outlast it for the round to wait
+    raw["network"] = {"federation": federation, "round_deadline_s": 60, "offline_grace_s": 50, "ack_timeout_s": 2}
+    raw["threads"] = 1
+    cfg = RunConfig.model_validate(raw)
+    digits = load_digits()
+    ids = [f"client-{i}" for i in range(3)]
+    data = {}
+    for i, device in enumerate(ids):
+        data[device] = tmp_path / f"{device}.npz"
+        np.savez(data[device], x=digits.images[i * 300:(i + 1) * 300].astype(np.uint8), y=digits.target[i * 300:(i + 1) * 300])
+    state = {d: tmp_path / "state" / d for d in ids}
+    logs = {d: tmp_path / f"{d}.log" for d in ids}
+
+    def device(d: str) -> subprocess.Popen:
+        with open(logs[d], "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", "edgefl", "client", "--broker", broker, "--federation", federation,
+                                     "--device-id", d, "--data", str(data[d]), "--timeout", "200", "--state-dir", str(state[d])],
+                                    stdout=log, stderr=subprocess.STDOUT)
+
+    with mosquitto(tmp_path) as broker:
+        procs = {d: device(d) for d in ids}
+        wait_online(broker, federation, ids, timeout_s=180)
+        killed = threading.Event()
+
+        def on_event(kind, info):
+            if kind == "round" and info["round"] == 2 and not killed.is_set():
+                procs["client-0"].send_signal(signal.SIGKILL)  # its round-2 download is out: mid-round
+                killed.set()
+
+        results: dict = {}
+
+        def target():
+            try:
+                results["summary"] = serve(cfg, broker, RunDir.create(tmp_path / "run", cfg.name, cfg.seed), join_timeout_s=120,
+                                           on_event=on_event)
+            except BaseException as exc:
+                results["error"] = exc
+
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        assert killed.wait(180), "round 2 never started"
+        procs["client-0"].wait(timeout=10)
+        procs["client-0"] = device("client-0")  # restarted with the same command
+        t.join(timeout=300)
+        codes = {d: p.wait(timeout=60) for d, p in procs.items()}
+    assert "error" not in results, results.get("error")
+    assert set(codes.values()) == {0}, (codes, logs["client-0"].read_text()[-2000:])
+    assert "continuing from the state it saved after round 1" in logs["client-0"].read_text()
+    history = results["summary"]["history"]
+    assert [h["outcome"] for h in history] == ["complete"] * 3, [(h["outcome"], h["missing"]) for h in history]
+    assert "client-0" in history[1]["reported"]
+
+
+def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(tmp_path):
+    """The broker closes the older connection of a client id another client takes; reconnecting would
+    close the newer in turn, forever. The older device (it sees the newer's presence) stops with the
+    reason, the newer keeps its connection."""
+    import pytest
+
+    from edgefl.errors import EdgeflError
+    from edgefl.transport.mqtt import MqttDeviceTransport
+
+    topics = Topics("twins")
+    with mosquitto(tmp_path) as broker:
+        first = MqttDeviceTransport.connect(broker, topics, "client-0", max_packet_bytes=1 << 20, keepalive_s=30)
+        second = MqttDeviceTransport.connect(broker, topics, "client-0", max_packet_bytes=1 << 20, keepalive_s=30)
+        try:
+            with pytest.raises(EdgeflError, match="two devices run with one --device-id") as exc:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    first.receive(0.2)
+            assert "own --device-id" in exc.value.hint
+            assert second.link.connected.wait(10)  # the first's one reconnect closed it once; it came back
+            connects = second.link.connect_count
+            time.sleep(4)  # longer than the reconnect back-off: nothing closes the second any more
+            assert second.link.connected.is_set() and second.link.connect_count == connects <= 2
+            assert not first.link.connected.is_set() and not second.link.taken_over.is_set()
+        finally:
+            first.close()
+            second.close()

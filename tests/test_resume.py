@@ -113,6 +113,7 @@ def test_the_command_line_resumes_from_the_run_directory_alone(tmp_path):
     # the same directory with another config (3 rounds) is refused; its own config resumes (nothing left to play)
     res = CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--resume", "--quiet"])
     assert isinstance(res.exception, ConfigError) and "belongs to another config" in str(res.exception)
+    assert "3 rounds" not in res.output  # no header with the refused config's numbers before the refusal
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
     assert res.exit_code == 0, res.output
     assert "nothing left to resume" in res.output
@@ -416,3 +417,40 @@ def test_a_resume_that_turns_checkpoints_off_says_so(tmp_path):
     with pytest.raises(ConfigError, match="a resume needs checkpoints") as exc:
         Simulation(off, RunDir(run.path), show_progress=False).resume()
     assert "checkpoint_every=0" in exc.value.hint
+
+
+def test_a_finished_fleet_run_is_not_resumed_nor_rewritten(tmp_path):
+    """`edgefl server --resume` on a run that ended by itself says so and leaves it as it is (it
+    rewrote the summary, with a wall time of milliseconds, and the models before)."""
+    import json
+
+    from edgefl.cli import app
+
+    cfg = _config("fedavg", rounds=2, every=1)
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    (run.path / "config.toml").write_text(cfg.to_toml())
+    summary = {"interrupted": False, "rounds_played": 2, "wall_time_s": 33.0}
+    (run.path / "summary.json").write_text(json.dumps(summary))
+    res = CliRunner().invoke(app, ["server", "--broker", "mqtt://127.0.0.1:9", "--config", str(run.path / "config.toml"),
+                                   "--out", str(run.path), "--resume"])  # port 9: nothing listens, nothing is tried
+    assert res.exit_code == 0, res.output
+    assert "holds a finished run: nothing to resume" in res.output
+    assert json.loads((run.path / "summary.json").read_text()) == summary
+
+
+def test_the_report_names_who_declined_who_was_missing_and_the_refusals(tmp_path):
+    import json
+
+    from edgefl.report import participation_notes
+
+    run = RunDir.create(tmp_path / "run", "r", 0)
+    (run.path / "partition.json").write_text(json.dumps({"clients": [
+        {"client_id": "client-0", "stage": "ready"}, {"client_id": "client-2", "stage": "declined", "reason": "x.npz does not exist"}]}))
+    for r, missing in ((1, []), (2, ["client-1"]), (3, ["client-1"])):
+        run.append_metrics({"round": r, "missing": missing})
+    (run.path / "summary.json").write_text(json.dumps({"rejections": {"count": 3}}))
+    notes = participation_notes(run)
+    assert notes[0] == "client-2 declined: x.npz does not exist"
+    assert notes[1].startswith("client-1 missing in 2 rounds (2, 3;")
+    assert notes[2].startswith("3 messages refused")
+    assert participation_notes(RunDir.create(tmp_path / "empty", "r", 0)) == []  # nothing written: nothing said

@@ -76,7 +76,9 @@ def connect_retrying(connect: Callable[[], T], wait_s: float, say: Callable[[str
             return connect()
         except BrokerUnreachable as exc:
             if time.monotonic() + pause > deadline:
-                raise
+                # a device does not start brokers (the hint of a server or `edgefl fleet` would say so)
+                raise BrokerUnreachable(exc.message, hint="check --broker and that the fleet's broker runs; a device started "
+                                                          "before its broker keeps trying with --broker-wait inf") from None
             say(f"{exc.message}; trying again in {pause:.0f} s")
             time.sleep(pause)
             pause = min(pause * 2, 30.0)

@@ -135,7 +135,7 @@ class Swarm:
         username, password, ca_file = self._credentials
         link = MqttDeviceTransport.device_link(self.address, self.topics, device_id, max_packet_bytes=self._max_packet,
                                                keepalive_s=self.cfg.network.keepalive_s, protocol=self.cfg.network.protocol,
-                                               username=username, password=password, ca_file=ca_file)
+                                               username=username, password=password, ca_file=ca_file, yield_session=False)
         client = link.client
         client.on_socket_open = lambda c, u, sock: self.selector.register(sock, selectors.EVENT_READ, device_id)
         client.on_socket_close = lambda c, u, sock: self._closed(device_id, sock)

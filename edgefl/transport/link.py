@@ -14,14 +14,19 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
+import math
 import queue
 import random
+import secrets
 import threading
+import time
 from dataclasses import dataclass
 
 from edgefl.errors import BrokerUnreachable, EdgeflError
 from edgefl.transport.registry import BrokerAddress
 
+log = logging.getLogger("edgefl.transport")
 
 #: the URL schemes this connection speaks (edgefl.transport.mqtt registers them); ``tcp`` is
 #: paho's name for plain MQTT, accepted as it always was
@@ -54,6 +59,23 @@ class Incoming:
     retained: bool = False  # delivered from the broker's retained store (on subscribe), not live
 
 
+INSTANCE_PROPERTY = "edgefl-instance"  # on a device's retained presence: "<unix start time>-<random>"
+
+
+def _started_later(other: str, mine: str) -> bool:
+    """Whether the process behind instance ``other`` started after this one (ties broken by the
+    random part, so exactly one of two yields); an unreadable one is not."""
+    def key(instance: str) -> tuple[float, str]:
+        start, _, nonce = instance[:64].partition("-")
+        return float(start), nonce
+
+    try:
+        theirs = key(other)
+    except ValueError:
+        return False
+    return math.isfinite(theirs[0]) and theirs > key(mine)
+
+
 class Link:
     """A connected MQTT client whose incoming messages wait in a queue."""
 
@@ -71,6 +93,7 @@ class Link:
         max_packet_bytes: int = 256 << 20,
         session_expiry_s: int = 3600,
         keepalive_s: int = 30,
+        yield_session: bool = False,
     ) -> None:
         if address.scheme not in MQTT_SCHEMES or address.port is None:  # memory://NAME parses too: not a broker to dial
             raise EdgeflError(f"{address} is not an MQTT broker", hint="this connection needs mqtt://HOST:PORT or mqtts://HOST:PORT")
@@ -88,6 +111,13 @@ class Link:
         self.on_connected = None  # called (in paho's callback) after each accepted connection: the load generator counts them
         self.connect_count = 0
         self.last_disconnect: str | None = None
+        #: another process uses this client id (two devices started with one id): each connection
+        #: closes the other's, forever. A link that yields its session (a device's, over MQTT 5)
+        #: marks its retained presence with when it started (a user property) and watches that
+        #: topic; the older of two stays closed and says so (taken_over), the newer goes on
+        self.yield_session = yield_session and self.v5 and presence_topic is not None
+        self.instance = f"{time.time():.6f}-{secrets.token_hex(4)}"
+        self.taken_over = threading.Event()
         self.client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
             protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
@@ -116,7 +146,15 @@ class Link:
         self.connect_count += 1
         for topic in self.subscriptions:
             client.subscribe(topic, qos=1)
-        if self.presence_topic:
+        if self.yield_session:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            client.subscribe(self.presence_topic, qos=1)  # before the publish: the retained one is another's, if any
+            props = Properties(PacketTypes.PUBLISH)
+            props.UserProperty = (INSTANCE_PROPERTY, self.instance)
+            client.publish(self.presence_topic, b"online", qos=1, retain=True, properties=props)
+        elif self.presence_topic:
             client.publish(self.presence_topic, b"online", qos=1, retain=True)
         self.connected.set()
         if self.on_connected is not None:
@@ -127,6 +165,12 @@ class Link:
         self.last_disconnect = str(reason_code)
 
     def _on_message(self, client, userdata, msg) -> None:
+        if self.yield_session and msg.topic == self.presence_topic:
+            other = dict(getattr(msg.properties, "UserProperty", None) or []).get(INSTANCE_PROPERTY)
+            if isinstance(other, str) and other != self.instance and _started_later(other, self.instance):
+                self.taken_over.set()
+                client.disconnect()  # no reconnect: paho's loop stops retrying once a disconnect was asked for
+            return
         self.inbox.put(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain)))
 
     # --- use ----------------------------------------------------------------------------------

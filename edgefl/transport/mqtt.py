@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from edgefl.errors import EdgeflError
 from edgefl.transport.base import Delivery, DeviceTransport, ServerTransport
 from edgefl.transport.link import MQTT_SCHEMES, BrokerAddress, Link, open_broker_warning
 from edgefl.transport.registry import register_transport
@@ -72,12 +73,13 @@ class MqttDeviceTransport(DeviceTransport):
     @staticmethod
     def device_link(address: BrokerAddress, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
                     protocol: str = "5", username: str | None = None, password: str | None = None,
-                    ca_file: str | None = None) -> Link:
+                    ca_file: str | None = None, yield_session: bool = True) -> Link:
         """A device's connection as docs/PROTOCOL.md sets it up (client id, its down topic and the
-        round announcements, retained presence and last will), not opened yet."""
+        round announcements, retained presence and last will), not opened yet; ``yield_session``:
+        stay closed when another client takes the device's id over (the load generator says so itself)."""
         return Link(address, f"edgefl-{topics.federation}-{device}", [topics.down(device), topics.rounds],
                     topics.presence(device), username=username, password=password, ca_file=ca_file, protocol=protocol,
-                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s)
+                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s, yield_session=yield_session)
 
     @classmethod
     def connect(cls, broker: str, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
@@ -93,6 +95,12 @@ class MqttDeviceTransport(DeviceTransport):
     def receive(self, timeout_s: float) -> Delivery | None:
         item = self.link.get(timeout_s)
         if item is None:
+            if self.link.taken_over.is_set():
+                raise EdgeflError(
+                    f"another process, started after this one, connected to the broker as device {self.device!r} of federation "
+                    f"{self.topics.federation!r}: two devices run with one --device-id",
+                    hint="give every device its own --device-id; this one stops so that the two do not keep closing each "
+                         "other's connection")
             return None
         channel = "announcement" if item.topic == self.topics.rounds else "message"
         return Delivery(channel, "server", item.payload, where=item.topic)
