@@ -25,6 +25,35 @@ def _device(cfg_path, broker, device, state_dir, log_path, timeout=150):
                                 stdout=log, stderr=subprocess.STDOUT)
 
 
+def _kill_in_round_2_and_restart(cfg, broker, procs: dict, restart, run_dir=None, join_timeout_s: float = 5) -> tuple[dict, dict]:
+    """Serve ``cfg`` while client-0 is killed as round 2 starts (its download is out: mid-round)
+    and started again with ``restart()``; (what serve returned or raised, the devices' exit codes)."""
+    from edgefl.fleet.launcher import serve
+
+    killed = threading.Event()
+
+    def on_event(kind, info):
+        if kind == "round" and info["round"] == 2 and not killed.is_set():
+            procs["client-0"].send_signal(signal.SIGKILL)
+            killed.set()
+
+    results: dict = {}
+
+    def target():
+        try:
+            results["summary"] = serve(cfg, broker, run_dir, join_timeout_s=join_timeout_s, on_event=on_event)
+        except BaseException as exc:
+            results["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    assert killed.wait(180), "round 2 never started"
+    procs["client-0"].wait(timeout=10)
+    procs["client-0"] = restart()
+    t.join(timeout=300)
+    return results, {d: p.wait(timeout=60) for d, p in procs.items()}
+
+
 def test_a_device_killed_mid_round_resumes_from_its_saved_state_and_the_run_ends_as_without_the_fault(tmp_path):
     from edgefl.sim import Simulation
 
@@ -39,31 +68,13 @@ def test_a_device_killed_mid_round_resumes_from_its_saved_state_and_the_run_ends
     with mosquitto(tmp_path) as broker:
         procs = {d: _device(path, broker, d, state[d], logs[d]) for d in ids}
         wait_online(broker, "device-crash", ids)
-        killed = threading.Event()
 
-        def on_event(kind, info):
-            if kind == "round" and info["round"] == 2 and not killed.is_set():
-                procs["client-0"].send_signal(signal.SIGKILL)  # its round-2 download is out: mid-round
-                killed.set()
+        def restart():
+            saved = json.loads((state["client-0"] / "state.json").read_text())  # what the killed device left
+            assert saved["round"] in (1, 2) and saved["device"] == "client-0"
+            return _device(path, broker, "client-0", state["client-0"], logs["client-0"])
 
-        results: dict = {}
-        from edgefl.fleet.launcher import serve
-
-        def target():
-            try:
-                results["summary"] = serve(cfg, broker, None, join_timeout_s=5, on_event=on_event)
-            except BaseException as exc:
-                results["error"] = exc
-
-        t = threading.Thread(target=target, daemon=True)
-        t.start()
-        assert killed.wait(120), "round 2 never started"
-        procs["client-0"].wait(timeout=10)
-        saved = json.loads((state["client-0"] / "state.json").read_text())
-        assert saved["round"] in (1, 2) and saved["device"] == "client-0"
-        procs["client-0"] = _device(path, broker, "client-0", state["client-0"], logs["client-0"])  # restarted
-        t.join(timeout=180)
-        codes = {d: p.wait(timeout=60) for d, p in procs.items()}
+        results, codes = _kill_in_round_2_and_restart(cfg, broker, procs, restart)
     assert "error" not in results, results.get("error")
     assert set(codes.values()) == {0}, codes
     assert "continuing from the state it saved after round" in logs["client-0"].read_text()
@@ -149,7 +160,6 @@ def test_a_device_with_its_own_data_killed_mid_round_gets_that_round_again_when_
     from sklearn.datasets import load_digits
 
     from edgefl.config import RunConfig
-    from edgefl.fleet.launcher import serve
     from edgefl.rundir import RunDir
     from tests.conftest import digits_config
 
@@ -179,29 +189,8 @@ def test_a_device_with_its_own_data_killed_mid_round_gets_that_round_again_when_
     with mosquitto(tmp_path) as broker:
         procs = {d: device(d) for d in ids}
         wait_online(broker, federation, ids, timeout_s=180)
-        killed = threading.Event()
-
-        def on_event(kind, info):
-            if kind == "round" and info["round"] == 2 and not killed.is_set():
-                procs["client-0"].send_signal(signal.SIGKILL)  # its round-2 download is out: mid-round
-                killed.set()
-
-        results: dict = {}
-
-        def target():
-            try:
-                results["summary"] = serve(cfg, broker, RunDir.create(tmp_path / "run", cfg.name, cfg.seed), join_timeout_s=120,
-                                           on_event=on_event)
-            except BaseException as exc:
-                results["error"] = exc
-
-        t = threading.Thread(target=target, daemon=True)
-        t.start()
-        assert killed.wait(180), "round 2 never started"
-        procs["client-0"].wait(timeout=10)
-        procs["client-0"] = device("client-0")  # restarted with the same command
-        t.join(timeout=300)
-        codes = {d: p.wait(timeout=60) for d, p in procs.items()}
+        results, codes = _kill_in_round_2_and_restart(cfg, broker, procs, lambda: device("client-0"),
+                                                      RunDir.create(tmp_path / "run", cfg.name, cfg.seed), join_timeout_s=120)
     assert "error" not in results, results.get("error")
     assert set(codes.values()) == {0}, (codes, logs["client-0"].read_text()[-2000:])
     assert "continuing from the state it saved after round 1" in logs["client-0"].read_text()
