@@ -435,7 +435,8 @@ def plot(payload: dict, out: Path) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    summary, _, details = __doc__.partition("\n\n")  # what it does first; how, after the options
+    p = argparse.ArgumentParser(description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/ChanYunHin/Felo_Velo (measured at 33eaa18)")
     p.add_argument("--iterations", type=int, default=200, help="server iterations (edgefl rounds); even, at least 100 "
                                                                "(their loop divides by 1 %% of it)")
@@ -463,10 +464,10 @@ def main() -> None:
         return
     sides = {s for s in args.sides.split(",") if s}
     if not sides <= {"authors", "edgefl"} or not sides:
-        p.error("--sides takes authors, edgefl or both, comma-separated")
+        p.error(f"--sides {args.sides!r}: it takes authors, edgefl or both, comma-separated")
     methods = list(dict.fromkeys(m for m in args.methods.split(",") if m))
     if not methods or not set(methods) <= {"felo", "velo", "local"}:
-        p.error("--methods takes felo, velo and local, comma-separated")
+        p.error(f"--methods {args.methods!r}: it takes felo, velo and local, comma-separated")
     if "authors" in sides and args.authors_dir is None:
         p.error("--authors-dir is needed for the authors' side (git clone https://github.com/ChanYunHin/Felo_Velo)")
     if "authors" in sides and (problem := checkout_problem(args.authors_dir.resolve())):

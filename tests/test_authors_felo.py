@@ -45,7 +45,7 @@ def _args(**kw) -> argparse.Namespace:
     (["--authors-dir", "{empty}"], "is not a checkout of github.com/ChanYunHin/Felo_Velo"),
     (["--sides", "authors"], "--authors-dir is needed"),
     (["--sides", "edgefl", "--iterations", "101"], "--iterations must be even"),
-    (["--sides", "edgefl", "--methods", "felo,fedavg"], "--methods takes felo, velo and local"),
+    (["--sides", "edgefl", "--methods", "felo,fedavg"], "--methods 'felo,fedavg': it takes felo, velo and local"),
     (["--sides", "edgefl", "--curve", "0"], "--curve must be at least 1"),
     (["--sides", "edgefl", "--test-samples", "700"], "--test-samples must be a multiple of 500"),
 ])
