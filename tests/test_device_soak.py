@@ -131,6 +131,7 @@ def test_without_signing_every_device_survives_and_the_run_ends_with_reasons(tmp
     history = summary["history"]
     assert len(history) == 3  # every round was played to an outcome
     for h in history:
-        assert h["outcome"] in ("complete", "deadline", "failed")
+        # offline: every device still out had gone offline (one that took a forged end of the run and left)
+        assert h["outcome"] in ("complete", "deadline", "offline", "failed")
         if h["outcome"] != "complete":
             assert all(r for r in h["receipts"].values())  # each device's receipt says why
