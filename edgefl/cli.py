@@ -138,7 +138,7 @@ def simulate(
     stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
     if resume:
         if cfg.mode == "async":
-            finished = (run.path / "summary.json").is_file() and run.read_json("summary.json").get("interrupted") is False
+            finished = _finished(run)
             err.print(("this run had finished; " if finished else "")
                       + f"resuming after server update {first - 1} of {cfg.rounds} (the checkpoint after record {len(sim.history)}; "
                       "the updates since are played again, with the same numbers)")

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,6 +56,13 @@ def shown(value: Any, limit: int = 64) -> str:
     if not isinstance(value, str):
         return repr(value)[:limit]
     return repr(value[:limit]) + ("..." if len(value) > limit else "")
+
+
+def all_offline_past(waiting: Iterable[str], offline_since: dict[str, float], now: float, grace_s: float) -> bool:
+    """Whether there is someone to wait for and every one of them has been offline (since
+    ``offline_since``) for at least ``grace_s``: a round or a request need not wait any longer."""
+    waiting = list(waiting)
+    return bool(waiting) and all(now - offline_since.get(d, math.inf) >= grace_s for d in waiting)
 
 
 class Listener(Protocol):
@@ -203,9 +210,8 @@ class ServerEndpoint:
 
     def _all_gone(self, exchange: Exchange) -> bool:
         """Every device still to answer has been offline for ``offline_grace_s``: nobody is left to wait for."""
-        waiting = exchange.asked - exchange.answers.keys()
-        now = self.transport.now()
-        return bool(waiting) and all(now - self.offline_since.get(d, math.inf) >= self.net.offline_grace_s for d in waiting)
+        return all_offline_past(exchange.asked - exchange.answers.keys(), self.offline_since, self.transport.now(),
+                                self.net.offline_grace_s)
 
     # --- receiving --------------------------------------------------------------------------------
     def pump(self, timeout_s: float) -> None:

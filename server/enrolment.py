@@ -151,7 +151,7 @@ class Enrolment:
         before = self.devices.get(device)
         changed = ""
         if before is not None and before.stage == "ready" and (before.samples, before.class_counts) != (samples, list(counts)):
-            changed = f"{before.samples} samples before, {samples} now"
+            changed = f"{before.samples} samples before, {samples} now" if before.samples != samples else "other class counts"
         self.devices[device] = Enrolled("ready", samples, validation, list(counts), str(source)[:200] if isinstance(source, str) else "",
                                         profile=before.profile if before is not None else None)
         return "", changed

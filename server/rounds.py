@@ -11,7 +11,6 @@ training, close the round in the server half, judge it and write its record.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from edgefl.config import RunConfig
 from edgefl.messages import Message
 from edgefl.seeding import derive_seed
 from edgefl.server.policy import AfterRecord, RoundPolicy
-from edgefl.server.endpoint import Exchange
+from edgefl.server.endpoint import Exchange, all_offline_past
 from edgefl.filters import Filter
 from edgefl.server.records import Tally, timing_fields
 from edgefl.server.rejections import Rejections
@@ -272,8 +271,7 @@ class SyncRounds(RoundPolicy):
         if len(st.offline_since) < len(st.selected) - len(st.dropped) - len(st.reported):
             return False  # someone who has not reported is online: no need to look (O(1) per message)
         waiting = [d for d in st.taking_part() if d not in st.reported]
-        now = self.clock.now()
-        return bool(waiting) and all(now - st.offline_since.get(d, math.inf) >= self.net.offline_grace_s for d in waiting)
+        return all_offline_past(waiting, st.offline_since, self.clock.now(), self.net.offline_grace_s)
 
     def _note_stragglers(self, st: RoundState) -> None:
         """Selected devices whose work is known to be still under way when the round closed (only
