@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -263,6 +265,88 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
     return subprocess.call(cmd, cwd=ROOT)
 
 
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds: float) -> dict[str, Any]:
+    """Run one cell for ``seconds`` (then kill it: a probe is not meant to resume) and estimate, from
+    its per-round times, the wall time of the whole cell on this machine and device."""
+    run = out / "probe" / cell.key
+    shutil.rmtree(run, ignore_errors=True)
+    run.parent.mkdir(parents=True, exist_ok=True)
+    config = apply_overrides(dict(cell.config, device=device), overrides)
+    every = int((config.get("eval") or {}).get("every", 1) or 1)
+    # evaluate every second round while probing, so that an evaluation is timed too (the estimate uses the cell's own)
+    probed = apply_overrides(config, ["eval.every=2"]) if every > 2 else config
+    cfg_path = out / "probe" / f"{cell.key}.toml"
+    cfg_path.write_text(tomli_w.dumps(probed))
+    cmd = [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
+    print(f"{cell.key}: probing for {seconds:.0f} s", flush=True)
+    t0, started_unix = time.perf_counter(), time.time()
+    with (out / "probe" / f"{cell.key}.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the run and whatever it started
+            proc.wait()
+    wall = time.perf_counter() - t0
+    records = _metrics(run)
+    rounds = int(config["rounds"])
+    times = [float(r.get("round_time_s", 0.0)) for r in records]
+    evaluated = [float(r.get("eval_time_s", 0.0)) > 0 for r in records]
+    # the first round carries one-off costs (allocations, kernels' first launch); an evaluation round costs its
+    # round plus the evaluation (the devices asked for their accuracy too): the two are timed apart
+    plain = [t for t, e in zip(times[1:], evaluated[1:]) if not e] or [t for t, e in zip(times, evaluated) if not e]
+    per_round = statistics.median(plain) if plain else None
+    evals = [t - (per_round or 0.0) for t, e in zip(times, evaluated) if e]
+    estimate = None
+    if per_round is not None:
+        # process start, data, models: up to the last timed round's end, less the rounds themselves
+        last_closed = records[-1].get("closed_unix") if records else None
+        startup = max(0.0, (float(last_closed) - started_unix if last_closed else wall) - sum(times))
+        eval_cost = (statistics.fmean(evals) if evals else 0.0) * (rounds // every + 1)
+        estimate = per_round * rounds + eval_cost + startup
+    if proc.returncode == 0:  # the whole cell ran within the probe: its time is known (with eval.every=2, a little over)
+        estimate = wall
+    result = {"cell": cell.key, "row": cell.row, "column": cell.column, "rounds": rounds, "rounds_timed": len(records),
+              "probe_s": round(wall, 1), "finished": proc.returncode == 0, "median_round_s": per_round,
+              "mean_eval_s": statistics.fmean(evals) if evals else None,
+              "estimated_cell_s": round(estimate, 1) if estimate is not None else None}
+    told = (f"{len(records)} round(s) in {wall:.0f} s" + (f", {per_round:.3f} s a round" if per_round is not None else "")
+            + (f", {statistics.fmean(evals):.1f} s an evaluation" if evals else ", no evaluation timed")
+            + (f": the whole cell about {_duration(estimate)}" if estimate is not None else
+               f": no round finished; the cell needs more than {_duration(wall * rounds)}"))
+    print(f"  {told}", flush=True)
+    result["lower_bound_cell_s"] = None if per_round is not None else round(wall * rounds, 1)
+    return result
+
+
+def probe(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
+          seconds: float) -> dict[str, Any]:
+    results = [probe_cell(c, out, device, overrides, seconds) for c in cells]
+    known = [r["estimated_cell_s"] or r["lower_bound_cell_s"] or 0.0 for r in results]
+    lower = any(r["estimated_cell_s"] is None for r in results)
+    total = sum(known)
+    print(f"\n{name} at scale {scale} on {device}: about {_duration(total)} for these {len(cells)} cell(s)"
+          + (" (at least: a cell finished no round in its probe)" if lower else ""))
+    payload = {"table": name, "scale": scale, "device": device, "overrides": overrides, "probe_seconds": seconds,
+               "cells": results, "estimated_total_s": round(total, 1), "total_is_lower_bound": lower, "commit": _commit(),
+               "machine": machine(), "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    (out / "probe.json").write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {out / 'probe.json'}")
+    return payload
+
+
 def _accuracy(summary: dict[str, Any], metric: str) -> float | None:
     if metric == "best":
         return summary.get("best_overall_accuracy")
@@ -356,6 +440,9 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="override a key of every cell's config, e.g. --set rounds=5 (a smoke run: use its own --out)")
     ap.add_argument("--list", action="store_true", help="the tables, their settings and their cells")
+    ap.add_argument("--probe", type=float, default=None, metavar="SECONDS",
+                    help="no table: run each cell SECONDS, then estimate from its round times how long the table takes "
+                         "here (writes OUT/probe.json; for planning a lent GPU's minutes)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.list or args.table is None:
@@ -374,6 +461,9 @@ def main() -> None:
     if args.report_only and not out.is_dir():
         ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
     out.mkdir(parents=True, exist_ok=True)
+    if args.probe is not None:
+        probe(args.table, table, cells, out, args.scale, args.device, args.overrides, args.probe)
+        return
     failed = []
     if not args.report_only:
         for i, cell in enumerate(cells, 1):
