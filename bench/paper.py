@@ -2,6 +2,7 @@
 
     ./dev.sh bench paper TABLE [--scale paper|cpu] [--device auto|cpu|cuda] [--seeds 0,1,2]
                                [--out DIR] [--cells KEY,KEY] [--set KEY=VALUE] [--report-only] [--list]
+                               [--probe SECONDS]
 
 TABLE is one of ``fedhe``, ``fedin``, ``felo-velo``, ``fedmho``, ``chfl`` (``--list`` says what each
 runs and what the paper reports). Every cell of a table (a method, a partition, a seed) is one
@@ -20,6 +21,10 @@ beside its own, writes ``OUT/table.json`` (each cell's final and best accuracy, 
 the seeds, the commit, the machine and the device) and draws ``OUT/table.png``. Rows the paper
 reports on a data set this machine does not have (MNIST, CIFAR-10) are shown as the paper's, with
 the data set named, beside the Fashion-MNIST run: they are not the same experiment.
+
+``--probe SECONDS`` runs each cell only that long and estimates, from its round and evaluation
+times, how long the table takes on this machine and device (``OUT/probe.json``): for planning a lent
+GPU's minutes.
 
 ``--scale paper`` is the papers' setting (for a GPU: it is days of CPU time); ``--scale cpu`` keeps
 every choice but the length, the number of devices and the models' width. docs/benchmarks.md
@@ -308,6 +313,8 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
     plain = [t for t, e in zip(times[1:], evaluated[1:]) if not e] or [t for t, e in zip(times, evaluated) if not e]
     per_round = statistics.median(plain) if plain else None
     evals = [t - (per_round or 0.0) for t, e in zip(times, evaluated) if e]
+    if per_round is None and times:  # every round evaluates (eval.every = 1): the round's time includes it
+        per_round, evals = statistics.median(times[1:] or times), []
     estimate = None
     if per_round is not None:
         # process start, data, models: up to the last timed round's end, less the rounds themselves

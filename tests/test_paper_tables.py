@@ -67,3 +67,20 @@ def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "absent").exists()
+
+
+def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table(tmp_path):
+    out = tmp_path / "chfl"
+    # a cell that cannot finish in the probe (many rounds) and one that does (three rounds): both estimated
+    cmd = [sys.executable, str(ROOT / "bench" / "paper.py"), "chfl", "--out", str(out), "--cells", "chfl-iid-s0",
+           "--set", "rounds=100000", "--probe", "8"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
+    probe = json.loads((out / "probe.json").read_text())
+    (cell,) = probe["cells"]
+    assert cell["cell"] == "chfl-iid-s0" and not cell["finished"] and cell["rounds"] == 100_000
+    assert cell["rounds_timed"] >= 2 and cell["median_round_s"] > 0 and cell["mean_eval_s"] is not None
+    # 100,000 rounds at the measured rate: far longer than the probe itself
+    assert cell["estimated_cell_s"] > 100 * cell["probe_s"]
+    assert probe["machine"] and not (out / "table.json").exists() and not (out / "chfl-iid-s0").exists()
+    assert "the whole cell about" in run.stdout

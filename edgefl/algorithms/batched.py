@@ -188,9 +188,12 @@ def train_together(clients: list[Trainee], plans: list[BatchPlan]) -> list[Messa
     models = [c.model for c in clients]
     for c in clients:
         c.model.train()
-    params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]) for k in names}
+    # each model's tables walked once: walking them per tensor name cost seconds a round for 100 ResNets
+    own_params = [dict(m.named_parameters()) for m in models]
+    own_states = [_state_table(m, fixed) for m in models]
+    params = {k: torch.stack([own[k].detach() for own in own_params]) for k in names}
     state_names = [k for k, _ in first.model.named_buffers()] + fixed  # moved by the forward (batch norm) or fixed
-    buffers = {k: torch.stack([_state_table(m, fixed)[k].detach() for m in models]) for k in state_names}
+    buffers = {k: torch.stack([own[k].detach() for own in own_states]) for k in state_names}
     consts = {k: torch.stack([p.consts[k] for p in plans]) for k in plans[0].consts}
     optimizer = _Adam(params, cfg, n) if cfg.optimizer == "adam" else _SGD(params, cfg, n)
     masks = _Masks()
@@ -266,13 +269,11 @@ def train_together(clients: list[Trainee], plans: list[BatchPlan]) -> list[Messa
                 if plans[i].on_step is not None:
                     plans[i].on_step({k: v[j] for k, v in aux.items()}, yb[j])
     with torch.no_grad():
-        for i, m in enumerate(models):
-            own = dict(m.named_parameters())
+        for i in range(n):
             for k in names:
-                own[k].copy_(params[k][i])
-            table = _state_table(m, fixed)
+                own_params[i][k].copy_(params[k][i])
             for k in buffers:
-                table[k].copy_(buffers[k][i])
+                own_states[i][k].copy_(buffers[k][i])
     out = []
     for i, (client, plan) in enumerate(zip(clients, plans)):
         client.record(TrainStats(steps[i], samples[i], loss_sum[i] / max(samples[i], 1)))
