@@ -3,7 +3,9 @@
 A flood of 8,000 bad messages must not grow metrics.jsonl by 8,000 entries nor fill the log: a
 round keeps counts by reason (numbers in a reason folded, so "chunk 17 of 20000" and "chunk 3 of
 5" count together) and by sender, each capped, and only the first :data:`LOGGED_PER_ROUND`
-refusals of a round (then every :data:`LOG_EVERY`-th) are logged in full.
+refusals of a round (then every :data:`LOG_EVERY`-th) are logged in full. Each folded reason keeps
+the first refusal it came from, word for word (a path or a size an operator needs is not lost to
+the folding).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Rejections:
     by_reason: Counter[str] = field(default_factory=Counter)
     by_sender: Counter[str] = field(default_factory=Counter)
     recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=50))  # (sender, reason) of the last refusals
+    examples: dict[str, str] = field(default_factory=dict)  # folded reason -> the first refusal it came from
 
     def __len__(self) -> int:
         return self.total
@@ -47,22 +50,30 @@ class Rejections:
     def _bump(counter: Counter[str], key: str, n: int = 1) -> None:
         counter[key if key in counter or len(counter) < MAX_KEYS else OTHER] += n
 
+    def _example(self, kind: str, reason: str) -> None:
+        if kind in self.by_reason and kind not in self.examples and kind != reason[:120]:
+            self.examples[kind] = reason[:300]
+
     def add(self, sender: str, reason: str) -> bool:
         """Count one refusal; True when it should be logged in full."""
         self.total += 1
         self.recent.append((sender[:64], reason[:300]))
-        self._bump(self.by_reason, reason_kind(reason))
+        kind = reason_kind(reason)
+        self._bump(self.by_reason, kind)
+        self._example(kind, reason)
         self._bump(self.by_sender, sender[:64])
         return self.total <= LOGGED_PER_ROUND or self.total % LOG_EVERY == 0
 
     def summary(self) -> dict[str, Any]:
         """What a round record keeps: the count and the top reasons and senders."""
-        return {"count": self.total, "by_reason": dict(self.by_reason.most_common(TOP)),
-                "by_sender": dict(self.by_sender.most_common(TOP))}
+        top = dict(self.by_reason.most_common(TOP))
+        return {"count": self.total, "by_reason": top, "by_sender": dict(self.by_sender.most_common(TOP)),
+                "examples": {k: self.examples[k] for k in top if k in self.examples}}
 
     def saved(self) -> dict[str, Any]:
         """The counts a checkpoint keeps (the recent refusals are not: they are the log's)."""
-        return {"total": self.total, "by_reason": dict(self.by_reason), "by_sender": dict(self.by_sender)}
+        return {"total": self.total, "by_reason": dict(self.by_reason), "by_sender": dict(self.by_sender),
+                "examples": dict(self.examples)}
 
     @classmethod
     def from_saved(cls, saved: Any) -> Rejections:
@@ -81,11 +92,18 @@ class Rejections:
                     if isinstance(key, str) and isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**62:
                         cls._bump(getattr(out, name), key[:120 if name == "by_reason" else 64], n)
         out.total = max(out.total, sum(out.by_reason.values()), sum(out.by_sender.values()))  # a dropped total is not 0
+        examples = saved.get("examples")
+        if isinstance(examples, dict):
+            for kind, reason in list(examples.items())[:MAX_KEYS]:
+                if isinstance(kind, str) and isinstance(reason, str):
+                    out._example(kind, reason)
         return out
 
     def merge(self, other: Rejections) -> None:
         self.total += other.total
         for key, n in other.by_reason.items():
             self._bump(self.by_reason, key, n)
+        for key, reason in other.examples.items():
+            self._example(key, reason)
         for key, n in other.by_sender.items():
             self._bump(self.by_sender, key, n)

@@ -345,6 +345,22 @@ def test_a_checkpoint_s_refusal_counts_are_read_as_untrusted_input():
         assert Rejections.from_saved(hostile).total == 0 and not Rejections.from_saved(hostile).by_sender
     flood = Rejections.from_saved({"total": 5, "by_sender": {f"d{i}": 1 for i in range(10_000)}})
     assert len(flood.by_sender) <= 201  # the cap on distinct keys holds
+    odd = Rejections.from_saved({"total": 1, "by_reason": {"k #": 1}, "examples": {"k #": "x" * 10_000, "absent": "y", "n": 3}})
+    assert odd.examples == {"k #": "x" * 300}  # bounded, and only for reasons it counts
+
+
+def test_a_folded_refusal_reason_keeps_its_first_refusal_word_for_word():
+    from edgefl.server.rejections import Rejections
+
+    refused = Rejections()
+    refused.add("dev-1", "upload of 300000000 bytes is over network.max_message_bytes (268435456)")
+    refused.add("dev-2", "upload of 999 bytes is over network.max_message_bytes (268435456)")
+    refused.add("dev-3", "unknown sender")
+    summary = refused.summary()
+    (kind,) = [k for k in summary["by_reason"] if "upload" in k]
+    assert "#" in kind and summary["by_reason"][kind] == 2
+    assert summary["examples"] == {kind: "upload of 300000000 bytes is over network.max_message_bytes (268435456)"}
+    assert Rejections.from_saved(refused.saved()).summary() == summary
 
 
 def test_tensors_that_share_a_storage_are_saved_apart_and_a_whole_one_is_not_copied(tmp_path):
