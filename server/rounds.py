@@ -11,6 +11,7 @@ training, close the round in the server half, judge it and write its record.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -239,9 +240,11 @@ class SyncRounds(RoundPolicy):
         if not taking_part:  # no device can take part (with device-held data: none is ready)
             return "failed"
         quorum = self.net.quorum_count(st.target)
-        for device in st.taking_part():  # offline when the round starts: the grace counts from now
+        for device in st.taking_part():  # offline when the round starts: the grace counts from when it went
+            # offline, so a device dead for many rounds (every device is selected without fleet.per_round)
+            # does not hold each of them up by offline_grace_s; one that left just before gets what is left
             if self.endpoint.online.get(device) is False:
-                st.offline_since[device] = self.clock.now()
+                st.offline_since[device] = min(self.endpoint.offline_since.get(device, math.inf), self.clock.now())
         while True:
             if st.full or len(st.reported) >= taking_part:
                 return "complete"

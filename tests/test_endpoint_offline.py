@@ -41,3 +41,46 @@ def test_a_request_waits_for_an_online_device_until_its_deadline():
     assert endpoint.request(Exchange("evaluate", 1, frozenset(devices)), "evaluate", {}, {}, deadline_s=1.5) == {}
     assert time.monotonic() - t0 >= 1.4  # online and silent: the deadline, as before
     devices["client-0"].close()
+
+
+def test_a_device_dead_before_the_rounds_does_not_hold_up_every_round_by_the_grace():
+    """Without fleet.per_round every device is selected each round: a device that died long ago
+    used to cost each round offline_grace_s; its grace counts from when it went offline."""
+    import threading
+    import uuid
+
+    from edgefl.config import RunConfig
+    from edgefl.fleet.launcher import run_device, serve
+    from edgefl.transport.registry import device_transport
+    from tests.conftest import digits_config
+
+    raw = digits_config("fedavg", rounds=3)
+    raw["fleet"] = {"groups": [{"model": "mlp", "count": 3, "options": {"hidden": [16]}}]}
+    grace = 4.0
+    raw["network"] = {"round_deadline_s": 60, "offline_grace_s": grace, "federation": f"dead-{uuid.uuid4().hex[:8]}"}
+    raw["threads"] = 1
+    cfg = RunConfig.model_validate(raw)
+    url = f"memory://dead-{uuid.uuid4().hex[:8]}"
+    dead = device_transport(url, Topics(cfg.network.federation), "client-2")
+    dead.close()  # online once, then gone: its presence says offline from now on
+    time.sleep(grace + 0.5)  # gone for longer than the grace before the run starts
+    failed: list[BaseException] = []
+
+    def device(name: str) -> None:
+        try:
+            run_device(cfg, name, url, timeout_s=120)
+        except BaseException as exc:  # surfaced below
+            failed.append(exc)
+
+    threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in ("client-0", "client-1")]
+    for t in threads:
+        t.start()
+    summary = serve(cfg, url, None, join_timeout_s=10)
+    for t in threads:
+        t.join(60)
+    assert not failed, failed
+    history = summary["history"]
+    assert [h["outcome"] for h in history] == ["offline"] * 3, history
+    # after the first (the devices' start), each round closed once the two live devices reported,
+    # without waiting out client-2's grace again
+    assert all(h["round_time_s"] < grace for h in history[1:]), [h["round_time_s"] for h in history]
