@@ -152,6 +152,7 @@ class RunSession:
         #: each device's weights, where this process holds them (a simulation sets it): what ship.json picks from
         self.device_models: Callable[[], dict[str, dict[str, Any]]] | None = None
         self._t0 = time.perf_counter()
+        self._elapsed_before = 0.0  # a resumed run's earlier sittings (resume())
         deltas = [t.dp_sgd.delta for t in [cfg.train, *(g.train for g in cfg.fleet.groups)] if t is not None and t.dp_sgd is not None]
         #: devices' DP-SGD epsilons over the run (their uploads say it), at the weakest delta configured
         self.dp_sgd = DPSGDLedger(max(deltas)) if deltas else None
@@ -241,6 +242,10 @@ class RunSession:
         self._history_kept = history if len(lines) != len(history) else None
         self.resumed_tag = str(extra.get("tag", ""))
         self.resumed = True
+        # the earlier sittings' time, up to the last round kept: wall_time_s and elapsed_s go on from it
+        last = history[-1].get("elapsed_s") if history else None
+        self._elapsed_before = float(last) if isinstance(last, (int, float)) and not isinstance(last, bool) \
+            and 0 <= last < 1e9 else 0.0
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
         self.endpoint.rejections = Rejections.from_saved(extra.get("rejections"))  # the run's count goes on from the checkpoint's
         policy = self.policy
@@ -276,7 +281,7 @@ class RunSession:
 
     # --- rounds ---------------------------------------------------------------------------------
     def after_round(self, record: dict[str, Any]) -> None:
-        record["elapsed_s"] = round(time.perf_counter() - self._t0, 3)
+        record["elapsed_s"] = round(self._elapsed_before + time.perf_counter() - self._t0, 3)
         if self.dp_sgd is not None:
             self.dp_sgd.note(record)
         if self.run_dir is None:
@@ -364,7 +369,7 @@ class RunSession:
             "stragglers_total": sum(len(h.get("stragglers", [])) for h in history),
             "virtual_time_total_s": round(sum(virtual), 3) if virtual else None,
             **({"privacy": privacy} if (privacy := privacy_spent(history)) else {}),
-            "wall_time_s": round(time.perf_counter() - self._t0, 3),
+            "wall_time_s": round(self._elapsed_before + time.perf_counter() - self._t0, 3),  # every sitting's
             "run_dir": str(self.run_dir.path) if self.run_dir else None,
         }
 

@@ -6,6 +6,8 @@ and after a crash past the last checkpoint (the rounds recorded since are played
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from typer.testing import CliRunner
 
@@ -95,10 +97,23 @@ def test_a_crash_past_the_last_checkpoint_plays_those_rounds_again(tmp_path, mon
         Simulation(cfg, crashed, show_progress=False).run()
     assert [r["round"] for r in _records(crashed.path)] == [1, 2, 3]  # the checkpoint is after round 2
     monkeypatch.setattr(SyncRounds, "run_round", real)
+    import json
+
+    def elapsed() -> list[float]:
+        return [json.loads(line)["elapsed_s"] for line in (crashed.path / "metrics.jsonl").read_text().splitlines()]
+
+    first_sitting = elapsed()[1]  # after round 2, the round the checkpoint keeps
+    time.sleep(0.3)  # between the sittings: not the run's time
+    t_resume = time.monotonic()
     again = Simulation(cfg, RunDir(crashed.path), show_progress=False)
     assert again.resume() == 3
     again.run()
     assert _records(crashed.path) == _records(whole.path)
+    # the run's time goes on from the earlier sitting's (the rounds it kept), not from zero
+    times = elapsed()
+    assert times == sorted(times) and times[2] > first_sitting
+    wall = json.loads((crashed.path / "summary.json").read_text())["wall_time_s"]
+    assert first_sitting < wall < first_sitting + (time.monotonic() - t_resume) + 1
 
 
 def test_the_command_line_resumes_from_the_run_directory_alone(tmp_path):
