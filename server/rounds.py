@@ -105,6 +105,7 @@ class SyncRounds(RoundPolicy):
         self.state: RoundState | None = None
         #: the round just closed, while it is judged: uploads for it that arrive then are listed late in its record
         self.closing: RoundState | None = None
+        self.last_accepted: tuple[int, dict[str, str]] = (0, {})  # the last closed round's accepted upload ids
         #: device -> the round of a download it has not answered yet (busy: not asked to judge its model)
         self.working: dict[str, int] = {}
         self.early: dict[str, tuple[Envelope, Message, int]] = {}  # device -> an upload for the next round
@@ -159,6 +160,7 @@ class SyncRounds(RoundPolicy):
             accuracy = self.evaluate(r)
             eval_time = time.perf_counter() - t1
         self.closing = None
+        self.last_accepted = (r, dict(st.accepted_ids))  # a copy of one of them arriving later is a duplicate
         record = self._record(st, outcome, server_record, accuracy, closed - st.started, train_time, eval_time,
                               time.perf_counter() - wall0)
         self.history.append(record)
@@ -322,6 +324,13 @@ class SyncRounds(RoundPolicy):
         if not self.spec.asynchronous and (st is None or (st.full and message.round == current)):
             # between rounds (or once the round has its target) a synchronous server must not hold
             # anything: it would count in the next round
+            counted = st.accepted_ids if st is not None else closing.accepted_ids if closing is not None else \
+                self.last_accepted[1] if message.round == self.last_accepted[0] else {}
+            if counted.get(device) == message.message_id:
+                # a second copy of the upload the round accepted (a device's resend after a server
+                # restart, the broker's queued copy): that one counts, this one is no late upload
+                ep.reply(device, env, "ack", status="duplicate", reason=f"round {message.round} already has this upload")
+                return
             why = "is closed" if st is None else f"closed with its target of {st.target} updates"
             ep.reply(device, env, "ack", status="late", reason=f"round {message.round} {why}; not used")
             if st is not None:

@@ -112,3 +112,33 @@ def test_resume_refuses_the_state_of_another_config_before_connecting(tmp_path):
     other = validate_config({**digits_config("fedavg", rounds=2), "seed": 5})
     with pytest.raises(ConfigError, match="belongs to another config"):
         serve(other, "mqtt://127.0.0.1:9", RunDir(tmp_path), resume=True)  # port 9: nothing listens, nothing is tried
+
+
+def test_a_second_copy_of_an_accepted_upload_is_a_duplicate_not_a_late_upload():
+    """After a server restart a device's resend (or the broker's queued copy) of the upload its
+    round accepted used to be announced as a late upload while its receipt said accepted."""
+    from edgefl.transport.envelope import unpack
+
+    sim = Simulation(validate_config(digits_config("fedavg", rounds=2)), show_progress=False)
+    policy = sim.session.policy
+    seen: list[tuple] = []
+    real = policy.on_upload
+
+    def keep(device, env, message, size, facts):
+        seen.append((device, env, message, size))
+        return real(device, env, message, size, facts)
+
+    policy.on_upload = keep
+    events: list[tuple[str, dict]] = []
+    policy.on_event = lambda kind, info: events.append((kind, info))
+    sim.run_round(1)
+    device, env, message, size = next(s for s in seen if s[2].kind == "weights")
+    events.clear()
+    policy.on_upload(device, env, message, size, {})  # the same upload again, the round closed
+    reply = unpack(sim.network._inbox[device][-1].payload, 1 << 20)
+    assert (reply.type, reply.extra["status"]) == ("ack", "duplicate")
+    assert not [e for e in events if e[0] == "late"]
+    other = Message("weights", 1, device, dict(message.tensors), dict(message.meta))  # another id: a late upload
+    policy.on_upload(device, env, other, size, {})
+    assert unpack(sim.network._inbox[device][-1].payload, 1 << 20).extra["status"] == "late"
+    assert [e[0] for e in events] == ["late"]
