@@ -97,7 +97,7 @@ def timed_round(raw: dict, dataset) -> dict[str, float | int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="mini-batches each client trains per round")
     ap.add_argument("--only", choices=sorted(ROUNDS), help="one of the rounds")
     args = ap.parse_args()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -289,31 +290,39 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
     run.parent.mkdir(parents=True, exist_ok=True)
     config = apply_overrides(dict(cell.config, device=device), overrides)
     every = int((config.get("eval") or {}).get("every", 1) or 1)
-    # evaluate every second round while probing, so that an evaluation is timed too (the estimate uses the cell's own)
-    probed = apply_overrides(config, ["eval.every=2"]) if every > 2 else config
+    # while probing, evaluate every third round: two plain rounds are timed first, then an evaluation
+    # (the estimate uses the cell's own interval)
+    probed = apply_overrides(config, ["eval.every=3"]) if every > 3 else config
     cfg_path = out / "probe" / f"{cell.key}.toml"
     cfg_path.write_text(tomli_w.dumps(probed))
     cmd = [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
-    print(f"{cell.key}: probing for {seconds:.0f} s", flush=True)
+    print(f"{cell.key}: probing for {seconds:g} s", flush=True)
     t0, started_unix = time.perf_counter(), time.time()
     with (out / "probe" / f"{cell.key}.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the run and whatever it started
-            proc.wait()
+            pass
+        finally:  # also on Ctrl-C or a SIGTERM: a probe left running would hold a lent GPU
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the run and whatever it started
+                proc.wait()
     wall = time.perf_counter() - t0
+    finished = proc.returncode == 0
     records = _metrics(run)
     rounds = int(config["rounds"])
     times = [float(r.get("round_time_s", 0.0)) for r in records]
-    evaluated = [float(r.get("eval_time_s", 0.0)) > 0 for r in records]
+    evaluated = [r.get("accuracy") is not None for r in records]
     # the first round carries one-off costs (allocations, kernels' first launch); an evaluation round costs its
     # round plus the evaluation (the devices asked for their accuracy too): the two are timed apart
-    plain = [t for t, e in zip(times[1:], evaluated[1:]) if not e] or [t for t, e in zip(times, evaluated) if not e]
+    plain = [t for t, e in zip(times[1:], evaluated[1:]) if not e]
+    first_only = not plain and len(times) == 1
+    if not plain:
+        plain = [t for t, e in zip(times, evaluated) if not e]
     per_round = statistics.median(plain) if plain else None
-    evals = [t - (per_round or 0.0) for t, e in zip(times, evaluated) if e]
-    if per_round is None and times:  # every round evaluates (eval.every = 1): the round's time includes it
+    evals = [t - (per_round or 0.0) for t, e in zip(times, evaluated) if e] if every > 1 else []
+    if per_round is None and times:  # every round evaluates (eval.every = 1): a round's time includes it
         per_round, evals = statistics.median(times[1:] or times), []
     estimate = None
     if per_round is not None:
@@ -322,30 +331,43 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
         startup = max(0.0, (float(last_closed) - started_unix if last_closed else wall) - sum(times))
         eval_cost = (statistics.fmean(evals) if evals else 0.0) * (rounds // every + 1)
         estimate = per_round * rounds + eval_cost + startup
-    if proc.returncode == 0:  # the whole cell ran within the probe: its time is known (with eval.every=2, a little over)
-        estimate = wall
+    if finished:  # the whole cell ran within the probe: its time is known
+        estimate, first_only = wall, False
     result = {"cell": cell.key, "row": cell.row, "column": cell.column, "rounds": rounds, "rounds_timed": len(records),
-              "probe_s": round(wall, 1), "finished": proc.returncode == 0, "median_round_s": per_round,
+              "probe_s": round(wall, 1), "finished": finished, "median_round_s": per_round,
               "mean_eval_s": statistics.fmean(evals) if evals else None,
-              "estimated_cell_s": round(estimate, 1) if estimate is not None else None}
-    told = (f"{len(records)} round(s) in {wall:.0f} s" + (f", {per_round:.3f} s a round" if per_round is not None else "")
-            + (f", {statistics.fmean(evals):.1f} s an evaluation" if evals else ", no evaluation timed")
-            + (f": the whole cell about {_duration(estimate)}" if estimate is not None else
-               f": no round finished; the cell needs more than {_duration(wall * rounds)}"))
+              "estimated_cell_s": round(estimate, 1) if estimate is not None else None,
+              "from_first_round_only": first_only,
+              # no round in the probe: all that is known is that the cell takes longer than the probe
+              "lower_bound_cell_s": None if estimate is not None else round(wall, 1)}
+    if finished:
+        told = f"the whole cell ran in {_duration(wall)}"
+    elif estimate is None:
+        told = (f"no round finished in {wall:.0f} s (start-up included): the cell takes longer than that; "
+                "a longer --probe times its rounds")
+    else:
+        told = (f"{len(records)} round(s) in {wall:.0f} s, {per_round:.3f} s a round"
+                + (f", {statistics.fmean(evals):.1f} s an evaluation" if evals else
+                   "" if every == 1 else ", no evaluation timed (a longer --probe times one)")
+                + f": the whole cell about {_duration(estimate)}"
+                + (" (from the first round alone, its one-off costs included: an upper estimate; a longer --probe "
+                   "times more rounds)" if first_only else ""))
     print(f"  {told}", flush=True)
-    result["lower_bound_cell_s"] = None if per_round is not None else round(wall * rounds, 1)
     return result
 
 
 def probe(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
           seconds: float) -> dict[str, Any]:
+    import torch
+
+    resolved = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     results = [probe_cell(c, out, device, overrides, seconds) for c in cells]
-    known = [r["estimated_cell_s"] or r["lower_bound_cell_s"] or 0.0 for r in results]
+    known = [r["estimated_cell_s"] if r["estimated_cell_s"] is not None else r["lower_bound_cell_s"] for r in results]
     lower = any(r["estimated_cell_s"] is None for r in results)
     total = sum(known)
-    print(f"\n{name} at scale {scale} on {device}: about {_duration(total)} for these {len(cells)} cell(s)"
-          + (" (at least: a cell finished no round in its probe)" if lower else ""))
-    payload = {"table": name, "scale": scale, "device": device, "overrides": overrides, "probe_seconds": seconds,
+    print(f"\n{name} at scale {scale} on {resolved}: {'more than' if lower else 'about'} {_duration(total)} for these "
+          f"{len(cells)} cell(s)" + (" (a cell finished no round in its probe)" if lower else ""))
+    payload = {"table": name, "scale": scale, "device": resolved, "overrides": overrides, "probe_seconds": seconds,
                "cells": results, "estimated_total_s": round(total, 1), "total_is_lower_bound": lower, "commit": _commit(),
                "machine": machine(), "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
@@ -435,7 +457,18 @@ def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str) -> P
     return save_figure(fig, path)
 
 
+def _setting(config: dict[str, Any]) -> str:
+    """What a scale changes, in a line: rounds, devices, width, epochs."""
+    groups = (config.get("fleet") or {}).get("groups") or []
+    devices = sum(int(g.get("count", 1)) for g in groups)
+    widths = sorted({(g.get("options") or {}).get("width", 1.0) for g in groups})
+    epochs = sorted({(g.get("train") or {}).get("epochs") or (config.get("train") or {}).get("epochs") or 1 for g in groups})
+    return (f"{config['rounds']} rounds, {devices} devices, width {'/'.join(f'{w:g}' for w in widths)}, "
+            f"{'/'.join(str(e) for e in epochs)} local epoch(s)")
+
+
 def main() -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--list | head` ends quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("table", nargs="?", choices=sorted(TABLES))
     ap.add_argument("--scale", choices=("paper", "cpu"), default="cpu")
@@ -454,7 +487,9 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.list or args.table is None:
         for name, table in TABLES.items():
-            print(f"{name}: {table.title}\n  {table.note}\n  cells: {', '.join(c.key for s in seeds for c in table.cells(args.scale, s))}")
+            listed = [c for s in seeds for c in table.cells(args.scale, s)]
+            print(f"{name}: {table.title}\n  {table.note}\n  at --scale {args.scale}: {_setting(listed[0].config)}"
+                  f"\n  cells: {', '.join(c.key for c in listed)}")
         return
     table = TABLES[args.table]
     cells = [c for s in seeds for c in table.cells(args.scale, s)]
@@ -462,14 +497,23 @@ def main() -> None:
         wanted = set(args.cells.split(","))
         unknown = wanted - {c.key for c in cells}
         if unknown:
-            ap.error(f"no cells {sorted(unknown)} in {args.table}: it has {', '.join(c.key for c in cells)}")
+            ap.error(f"no cells {sorted(unknown)} in {args.table}: it has {', '.join(c.key for c in cells)}"
+                     + (" (a cell of another seed needs --seeds)" if any("-s" in k for k in unknown) else ""))
         cells = [c for c in cells if c.key in wanted]
     out = args.out or RESULTS / "paper" / f"{args.table}-{args.scale}"
     if args.report_only and not out.is_dir():
         ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
+    if args.probe is not None and not (math.isfinite(args.probe) and args.probe > 0):
+        ap.error(f"--probe takes the seconds to run each cell, a number above 0 (got {args.probe:g})")
+    if args.probe is not None and args.report_only:
+        ap.error("--probe runs cells and --report-only runs none: give one of them")
     out.mkdir(parents=True, exist_ok=True)
     if args.probe is not None:
-        probe(args.table, table, cells, out, args.scale, args.device, args.overrides, args.probe)
+        try:
+            probe(args.table, table, cells, out, args.scale, args.device, args.overrides, args.probe)
+        except KeyboardInterrupt:
+            print("stopped: the cell being probed was stopped too; no probe.json written", flush=True)
+            raise SystemExit(130) from None
         return
     failed = []
     if not args.report_only:

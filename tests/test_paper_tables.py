@@ -73,7 +73,7 @@ def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table
     out = tmp_path / "chfl"
     # a cell that cannot finish in the probe (many rounds) and one that does (three rounds): both estimated
     cmd = [sys.executable, str(ROOT / "bench" / "paper.py"), "chfl", "--out", str(out), "--cells", "chfl-iid-s0",
-           "--set", "rounds=100000", "--probe", "8"]
+           "--set", "rounds=100000", "--set", "eval.every=5", "--probe", "15"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
     probe = json.loads((out / "probe.json").read_text())
@@ -83,4 +83,13 @@ def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table
     # 100,000 rounds at the measured rate: far longer than the probe itself
     assert cell["estimated_cell_s"] > 100 * cell["probe_s"]
     assert probe["machine"] and not (out / "table.json").exists() and not (out / "chfl-iid-s0").exists()
-    assert "the whole cell about" in run.stdout
+    assert "the whole cell about" in run.stdout and probe["device"] in ("cpu", "cuda")
+    # no round in the probe: all that is known is that the cell takes longer than the probe, not rounds x probe
+    short = subprocess.run(cmd[:-1] + ["0.3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert short.returncode == 0, short.stderr[-3000:]
+    (cell,) = json.loads((out / "probe.json").read_text())["cells"]
+    assert cell["estimated_cell_s"] is None and 0.3 <= cell["lower_bound_cell_s"] < 30
+    assert "no round finished" in short.stdout and "more than" in short.stdout
+    for bad in ("0", "-3", "nan"):
+        refused = subprocess.run(cmd[:-1] + [bad], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert refused.returncode == 2 and "a number above 0" in refused.stderr
