@@ -316,14 +316,17 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
     evaluated = [r.get("accuracy") is not None for r in records]
     # the first round carries one-off costs (allocations, kernels' first launch); an evaluation round costs its
     # round plus the evaluation (the devices asked for their accuracy too): the two are timed apart
-    plain = [t for t, e in zip(times[1:], evaluated[1:]) if not e]
-    first_only = not plain and len(times) == 1
-    if not plain:
-        plain = [t for t, e in zip(times, evaluated) if not e]
-    per_round = statistics.median(plain) if plain else None
-    evals = [t - (per_round or 0.0) for t, e in zip(times, evaluated) if e] if every > 1 else []
-    if per_round is None and times:  # every round evaluates (eval.every = 1): a round's time includes it
-        per_round, evals = statistics.median(times[1:] or times), []
+    later = [t for t, e in zip(times[1:], evaluated[1:]) if not e]
+    first_only = False
+    if later:
+        per_round = statistics.median(later)
+    elif every == 1 and len(times) > 1:  # every round evaluates: a round's time includes it
+        per_round = statistics.median(times[1:])
+    elif times:  # only the first round (and perhaps an evaluation round) timed: one-off costs included
+        per_round, first_only = times[0], True
+    else:
+        per_round = None
+    evals = [t - per_round for t, e in zip(times, evaluated) if e] if every > 1 and per_round is not None else []
     estimate = None
     if per_round is not None:
         # process start, data, models: up to the last timed round's end, less the rounds themselves
