@@ -328,8 +328,9 @@ class NetworkSettings(Strict):
                                 "since a partial upload not complete by then cannot count in its round; in an asynchronous run 4 x "
                                 "stale_upload_s, as long as the stale nacks keep an abandoned one")
     offline_grace_s: float = Field(10.0, ge=0, description="a round closes early once every selected device that has not reported has been offline this "
-                                                                "long, counted from when each went offline (an evaluate request or a stage stops waiting for them "
-                                                                "too); a device restarted within it gets its round again")
+                                                                "long, counted from when each went offline (an evaluate request or a "
+                                                                "stage stops waiting for them too); a device restarted within it gets "
+                                                                "its round again")
     protocol: Literal["5", "3.1.1"] = "5"
     max_abs_value: float = Field(1e6, gt=0, description="uploads holding a larger magnitude are refused (weights, logits, features)")
     keepalive_s: Whole = Field(30, ge=1, description="MQTT keep-alive: a silent device is declared offline (last will) after 1.5x this")

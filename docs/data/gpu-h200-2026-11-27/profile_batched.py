@@ -1,5 +1,8 @@
 """Where a batched round's time goes on this device: torch.profiler over one timed round."""
-import sys, time, warnings
+import sys
+import time
+import warnings
+
 sys.path.insert(0, "bench")
 import torch
 from torch.profiler import profile, ProfilerActivity
