@@ -50,7 +50,8 @@ class Rejections:
     def _bump(counter: Counter[str], key: str, n: int = 1) -> None:
         counter[key if key in counter or len(counter) < MAX_KEYS else OTHER] += n
 
-    def _example(self, kind: str, reason: str) -> None:
+    def keep_example(self, kind: str, reason: str) -> None:
+        """The first refusal of a folded reason, kept word for word (not for a reason it does not count)."""
         if kind in self.by_reason and kind not in self.examples and kind != reason[:120]:
             self.examples[kind] = reason[:300]
 
@@ -60,7 +61,7 @@ class Rejections:
         self.recent.append((sender[:64], reason[:300]))
         kind = reason_kind(reason)
         self._bump(self.by_reason, kind)
-        self._example(kind, reason)
+        self.keep_example(kind, reason)
         self._bump(self.by_sender, sender[:64])
         return self.total <= LOGGED_PER_ROUND or self.total % LOG_EVERY == 0
 
@@ -96,7 +97,7 @@ class Rejections:
         if isinstance(examples, dict):
             for kind, reason in list(examples.items())[:MAX_KEYS]:
                 if isinstance(kind, str) and isinstance(reason, str):
-                    out._example(kind, reason)
+                    out.keep_example(kind, reason)
         return out
 
     def merge(self, other: Rejections) -> None:
@@ -104,6 +105,6 @@ class Rejections:
         for key, n in other.by_reason.items():
             self._bump(self.by_reason, key, n)
         for key, reason in other.examples.items():
-            self._example(key, reason)
+            self.keep_example(key, reason)
         for key, n in other.by_sender.items():
             self._bump(self.by_sender, key, n)
