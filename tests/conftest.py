@@ -80,3 +80,30 @@ def method_config(method: str, rounds: int = 2) -> dict:
     if method in RECIPES:
         RECIPES[method](raw)
     return raw
+
+
+def serve_with_device_threads(cfg, url: str, devices: list[str], join_timeout_s: float) -> tuple[dict, dict]:
+    """``serve`` a fleet whose devices run ``run_device`` in threads of this process (a memory or
+    test transport); returns (the server's summary, what each device served). A device that
+    raised fails the test."""
+    import threading
+
+    from edgefl.fleet.launcher import run_device, serve
+
+    served: dict[str, list] = {}
+    failed: list[BaseException] = []
+
+    def device(name: str) -> None:
+        try:
+            served[name] = run_device(cfg, name, url, timeout_s=120)
+        except BaseException as exc:  # surfaced below
+            failed.append(exc)
+
+    threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in devices]
+    for t in threads:
+        t.start()
+    summary = serve(cfg, url, None, join_timeout_s=join_timeout_s)
+    for t in threads:
+        t.join(60)
+    assert not failed, failed
+    return summary, served

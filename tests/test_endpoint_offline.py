@@ -46,13 +46,11 @@ def test_a_request_waits_for_an_online_device_until_its_deadline():
 def test_a_device_dead_before_the_rounds_does_not_hold_up_every_round_by_the_grace():
     """Without fleet.per_round every device is selected each round: a device that died long ago
     used to cost each round offline_grace_s; its grace counts from when it went offline."""
-    import threading
     import uuid
 
     from edgefl.config import RunConfig
-    from edgefl.fleet.launcher import run_device, serve
     from edgefl.transport.registry import device_transport
-    from tests.conftest import digits_config
+    from tests.conftest import digits_config, serve_with_device_threads
 
     raw = digits_config("fedavg", rounds=3)
     raw["fleet"] = {"groups": [{"model": "mlp", "count": 3, "options": {"hidden": [16]}}]}
@@ -64,21 +62,7 @@ def test_a_device_dead_before_the_rounds_does_not_hold_up_every_round_by_the_gra
     dead = device_transport(url, Topics(cfg.network.federation), "client-2")
     dead.close()  # online once, then gone: its presence says offline from now on
     time.sleep(grace + 0.5)  # gone for longer than the grace before the run starts
-    failed: list[BaseException] = []
-
-    def device(name: str) -> None:
-        try:
-            run_device(cfg, name, url, timeout_s=120)
-        except BaseException as exc:  # surfaced below
-            failed.append(exc)
-
-    threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in ("client-0", "client-1")]
-    for t in threads:
-        t.start()
-    summary = serve(cfg, url, None, join_timeout_s=10)
-    for t in threads:
-        t.join(60)
-    assert not failed, failed
+    summary, _ = serve_with_device_threads(cfg, url, ["client-0", "client-1"], join_timeout_s=10)
     history = summary["history"]
     assert [h["outcome"] for h in history] == ["offline"] * 3, history
     # after the first (the devices' start), each round closed once the two live devices reported,

@@ -27,7 +27,7 @@ from edgefl.transport.registry import (
     unregister_transport,
 )
 from edgefl.transport.topics import Topics, device_ids
-from tests.conftest import digits_config
+from tests.conftest import digits_config, serve_with_device_threads
 from tests.test_every_method import _records, _summary
 
 
@@ -108,27 +108,10 @@ def loop_scheme():
 
 
 def test_a_transport_registered_by_a_test_runs_a_fleet_through_serve_and_run_device(loop_scheme):
-    from edgefl.fleet.launcher import run_device, serve
-
     cfg = _config()
     url = f"loop://toy-{uuid.uuid4().hex[:8]}"
     assert "loop" in schemes() and transport_for(url).scheme == "loop"
-    served: dict[str, dict] = {}
-    failed: list[BaseException] = []
-
-    def device(name: str) -> None:
-        try:
-            served[name] = run_device(cfg, name, url, timeout_s=120)
-        except BaseException as exc:  # surfaced below
-            failed.append(exc)
-
-    threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in device_ids(cfg.fleet.num_clients)]
-    for t in threads:
-        t.start()
-    summary = serve(cfg, url, None, join_timeout_s=60)
-    for t in threads:
-        t.join(60)
-    assert not failed, failed
+    summary, served = serve_with_device_threads(cfg, url, device_ids(cfg.fleet.num_clients), join_timeout_s=60)
     assert [h["outcome"] for h in summary["history"]] == ["complete"] * cfg.rounds
     assert sorted(served) == device_ids(cfg.fleet.num_clients) and all(len(r) == cfg.rounds for r in served.values())
     # every byte went through the toy: what the devices sent is what the server received, and at
