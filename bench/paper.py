@@ -52,6 +52,8 @@ from common import RESULTS, save_figure
 
 from edgefl.config import apply_overrides
 from edgefl.environment import machine, package_versions
+from edgefl.errors import EdgeflError
+from edgefl.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 RESNETS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
@@ -248,6 +250,13 @@ def _finished(run: Path) -> bool:
     return bool(s) and not s.get("interrupted") and s.get("rounds_played") == s.get("rounds")
 
 
+def _simulate_command(config: dict[str, Any], cfg_path: Path, run: Path) -> list[str]:
+    """``edgefl simulate`` of ``config`` (written to ``cfg_path``) into ``run``."""
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(tomli_w.dumps(config))
+    return [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
+
+
 def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
     """``edgefl simulate`` for one cell: skipped when finished, resumed when a checkpoint is there."""
     run = out / cell.key
@@ -255,10 +264,7 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
     if _finished(run):
         print(f"{cell.key}: finished earlier ({run})", flush=True)
         return 0
-    cfg_path = out / "configs" / f"{cell.key}.toml"
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(tomli_w.dumps(config))
-    cmd = [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
+    cmd = _simulate_command(config, out / "configs" / f"{cell.key}.toml", run)
     if (run / "server-state.safetensors").is_file():
         cmd.append("--resume")
         print(f"{cell.key}: resuming its checkpoint in {run}", flush=True)
@@ -269,13 +275,6 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
     else:
         print(f"{cell.key}: starting ({cell.row}, {cell.column}, seed {cell.seed})", flush=True)
     return subprocess.call(cmd, cwd=ROOT)
-
-
-def _metrics(run: Path) -> list[dict[str, Any]]:
-    try:
-        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return []
 
 
 def _duration(seconds: float) -> str:
@@ -293,9 +292,7 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
     # while probing, evaluate every third round: two plain rounds are timed first, then an evaluation
     # (the estimate uses the cell's own interval)
     probed = apply_overrides(config, ["eval.every=3"]) if every > 3 else config
-    cfg_path = out / "probe" / f"{cell.key}.toml"
-    cfg_path.write_text(tomli_w.dumps(probed))
-    cmd = [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
+    cmd = _simulate_command(probed, out / "probe" / f"{cell.key}.toml", run)
     print(f"{cell.key}: probing for {seconds:g} s", flush=True)
     t0, started_unix = time.perf_counter(), time.time()
     with (out / "probe" / f"{cell.key}.log").open("w") as log:
@@ -310,7 +307,10 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
                 proc.wait()
     wall = time.perf_counter() - t0
     finished = proc.returncode == 0
-    records = _metrics(run)
+    try:
+        records = RunDir(run).metrics()
+    except (EdgeflError, ValueError):  # killed before its first round, or in the middle of writing one
+        records = []
     rounds = int(config["rounds"])
     times = [float(r.get("round_time_s", 0.0)) for r in records]
     evaluated = [r.get("accuracy") is not None for r in records]

@@ -93,3 +93,11 @@ def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table
     for bad in ("0", "-3", "nan"):
         refused = subprocess.run(cmd[:-1] + [bad], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert refused.returncode == 2 and "a number above 0" in refused.stderr
+
+
+def test_the_list_says_what_each_scale_sets():
+    script = str(ROOT / "bench" / "paper.py")
+    paper = subprocess.run([sys.executable, script, "--list", "--scale", "paper"], capture_output=True, text=True, timeout=120)
+    cpu = subprocess.run([sys.executable, script, "--list", "--scale", "cpu"], capture_output=True, text=True, timeout=120)
+    assert "at --scale paper: 50000 rounds, 10 devices, width 1" in paper.stdout
+    assert "at --scale cpu: 2000 rounds, 10 devices, width 0.25" in cpu.stdout
