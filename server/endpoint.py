@@ -148,8 +148,15 @@ class ServerEndpoint:
 
     def joined(self) -> int:
         """Devices nobody needs to wait for before round 1: online ones, or with device-held data
-        those that are ready or declined."""
-        return self.online_count if self.enrolment is None else self.enrolment.settled()
+        those online and ready, and those that declined (a resumed run restores who was ready, and
+        they are waited for until they are back online)."""
+        if self.enrolment is None:
+            return self.online_count
+        return len(self.ready_online()) + len(self.enrolment.declined())
+
+    def ready_online(self) -> list[str]:
+        """With device-held data: the ready devices that are online now, in the fleet's order."""
+        return [d for d in self.enrolment.ready() if self.is_online(d)] if self.enrolment is not None else []
 
     def pool(self) -> list[str]:
         """The devices a policy may give work: every device, or with device-held data those ready."""

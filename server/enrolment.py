@@ -93,10 +93,6 @@ class Enrolment:
     def declined(self) -> list[str]:
         return [d for d, e in self.devices.items() if e.stage == "declined"]
 
-    def settled(self) -> int:
-        """Devices that are ready or declined: nobody needs to wait for them any more."""
-        return sum(1 for e in self.devices.values() if e.stage in ("ready", "declined"))
-
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {d: e.to_dict() for d, e in sorted(self.devices.items())}
 

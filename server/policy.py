@@ -87,7 +87,7 @@ class RoundPolicy(ABC):
         while self.clock.now() < end and ep.joined() < enough and not should_stop():
             ep.pump(min(end - self.clock.now(), 0.5))
         if ep.enrolment is not None:
-            ready = set(ep.enrolment.ready())
+            ready = set(ep.ready_online())  # a resumed run's enrolment says who was ready: they count once back online
             missing = [d for d in ep.device_ids if d not in ready]
             declined = ep.enrolment.declined()
             self.on_event("joined", {"online": len(ready), "missing": [d for d in missing if d not in declined], "declined": declined})

@@ -313,3 +313,36 @@ def test_asking_for_a_task_gives_up_at_its_timeout_not_after_the_next_wait():
         Joiner(transport, "client-0", "no-server", say=lambda text: None).ask_task(timeout_s=3)
     assert time.monotonic() - t0 < 5  # uncut, the second wait (4 s) would end after 6 s
     transport.close()
+
+
+def test_a_resumed_server_waits_for_its_ready_devices_to_be_back_online():
+    """A resumed run restores who was ready; before round 1 it counted them as joined at once and
+    said "2 devices ready" with none connected. They count once they are online again."""
+    import time
+
+    from edgefl.config import NetworkSettings
+    from edgefl.methods import METHODS
+    from edgefl.server.endpoint import ServerEndpoint
+    from edgefl.server.enrolment import Enrolment
+    from edgefl.transport.memory import MemoryDeviceTransport, MemoryServerTransport, hub
+    from edgefl.transport.topics import Topics
+
+    parts = _held_parts([{"model": "lenet5", "count": 2}])
+    before = Enrolment(parts, "fed")
+    good = {"samples": 30, "validation": 3, "class_counts": [10, 20] + [0] * 8}
+    for device in ("client-0", "client-1"):
+        before.hello(device, {}, "run-1")
+        assert before.ready_report(device, good) == ("", "")
+    resumed = Enrolment(parts, "fed")
+    resumed.restore(before.snapshot())
+    name = "resumed-ready"
+    topics = Topics(name)
+    endpoint = ServerEndpoint(NetworkSettings(), METHODS["fedavg"], MemoryServerTransport(hub(name), topics), ["client-0", "client-1"],
+                              name, num_classes=10, max_epochs=1, partial_max_age_s=60, enrolment=resumed)
+    assert endpoint.joined() == 0 and endpoint.ready_online() == []  # ready before the restart, not connected yet
+    device = MemoryDeviceTransport(hub(name), topics, "client-1")
+    end = time.monotonic() + 5
+    while endpoint.joined() < 1 and time.monotonic() < end:
+        endpoint.pump(0.1)
+    assert endpoint.joined() == 1 and endpoint.ready_online() == ["client-1"]
+    device.close()
