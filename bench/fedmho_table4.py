@@ -25,6 +25,16 @@ Run one alpha per single-threaded process, then merge::
     python bench/fedmho_table4.py --alpha 0.5 --threads 1 --tag a05
     python bench/fedmho_table4.py --alpha 0.1 --threads 1 --snapshots --tag a01
     python bench/fedmho_table4.py --merge bench/results/fedmho-a05.json bench/results/fedmho-a01.json
+
+At the paper's scale on a GPU (``--paper``: full-width VGG-9, 200 local epochs of SGD 1e-3, as the
+paper trains them; ``--no-small-prototype`` skips FedAvg's CNN-small group, 200 epochs of its own)::
+
+    python bench/fedmho_table4.py --paper --device cuda --alpha 0.1 --no-small-prototype --tag paper-a01
+
+The FedAvg row is the sample-weighted average of the VGG-9 clients, as the FedMHO server records it
+for every run (its ``fedavg-of-classifiers`` reference). The results file is written after every
+stage (clients trained, each server variant), marked ``partial`` until the run ends, so a run stopped
+by a time limit keeps what it finished; every stage's seconds are in ``stage_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from common import load, save
@@ -52,12 +63,13 @@ PAPER = {  # Table IV (Fashion) and Table VI (no filtering, Dir 0.5)
     0.1: {"FedAvg": 30.37, "FedCVAE-Ens": 64.01, "FedMHO": 62.14, "FedMHO-MD": 71.04, "FedMHO-SD": 69.65,
           "FedMHO-MD no filter": 65.13, "FedMHO-SD no filter": 65.42},
 }
+VARIANTS = ("FedMHO", "FedMHO-MD", "FedMHO-SD", "FedMHO-MD no filter", "FedMHO-SD no filter")
 ORDER = ["FedAvg", "FedCVAE-Ens", "FedMHO", "FedMHO-MD", "FedMHO-SD", "FedMHO-MD no filter", "FedMHO-SD no filter"]
 
 
 def config(method: str, groups: list[dict], alpha: float, seed: int, args, **method_options) -> dict:
     return {
-        "name": f"fedmho-bench-{method}", "seed": seed, "rounds": 1,
+        "name": f"fedmho-bench-{method}", "seed": seed, "rounds": 1, "device": args.device,
         "method": {"name": method, "global_epochs": args.global_epochs, "global_lr": args.global_lr, "global_batch": 64,
                    "synthetic_samples": args.synthetic, **method_options},
         "data": {"dataset": "fashion-mnist", "partition": "dirichlet", "alpha": alpha, "min_samples": 10},
@@ -67,7 +79,7 @@ def config(method: str, groups: list[dict], alpha: float, seed: int, args, **met
 
 
 def groups(args, big: str, small: str) -> list[dict]:
-    vgg_train = {"optimizer": "sgd", "lr": 5e-3, "momentum": 0.9, "epochs": args.vgg_epochs}
+    vgg_train = {"optimizer": "sgd", "lr": args.vgg_lr, "momentum": 0.9, "epochs": args.vgg_epochs}
     cvae_train = {"optimizer": "adam", "lr": args.cvae_lr, "epochs": args.cvae_epochs}
     spec = {
         "vgg9": {"model": "vgg9", "count": 5, "options": {"width": args.width}, "train": vgg_train},
@@ -100,15 +112,28 @@ def fuse(cfg_raw: dict, ds, slots, uploads: dict[str, bytes], x_test, y_test, ar
     if art_dir is not None:
         server.write_artifacts(art_dir)
     record = {k: v for k, v in record.items() if k not in ("plan", "filter")}
-    return acc, {**record, "server_s": round(time.perf_counter() - t0, 1)}
+    references = {}
+    for name, (ref_arch, ref_state) in server.reference_models().items():  # FedMHO's start: the classifiers' FedAvg
+        ref = server.build_global(ref_arch)
+        ref.load_state_dict(ref_state)
+        references[name] = evaluate_accuracy(ref, x_test, y_test, 1000)
+    return acc, {**record, "references": references, "server_s": round(time.perf_counter() - t0, 1)}
 
 
-def run_alpha(alpha: float, seed: int, args, ds, log) -> dict:
-    out: dict = {"alpha": alpha, "seed": seed, "accuracy": {}, "server": {}, "upload_bytes": {}, "trend": {}}
+def run_alpha(alpha: float, seed: int, args, ds, log, keep: Callable[[dict], None] = lambda out: None) -> dict:
+    """One (alpha, seed): every stage's result goes into the returned dict, handed to ``keep`` after each
+    stage (the caller saves it, so a stopped run keeps what it finished)."""
+    out: dict = {"alpha": alpha, "seed": seed, "accuracy": {}, "server": {}, "upload_bytes": {}, "trend": {}, "stage_s": {}}
+
+    def stage(name: str, t0: float) -> None:
+        out["stage_s"][name] = round(time.perf_counter() - t0, 1)
+        keep(out)
+
     mho_raw = config("fedmho-md", groups(args, "vgg9", "cvae-small"), alpha, seed, args)
     sim = Simulation(validate_config(mho_raw, "benchmark config"), dataset=ds, show_progress=False)
     x_test, y_test = sim.x_test, sim.y_test
     vggs = [c for c, cl in sim.clients.items() if cl.setup.arch.startswith("vgg9")]
+    out["partition"] = [len(s.sample_indices) for s in sim.slots]
     cvaes = [c for c in sim.clients if c not in vggs]
     sim.server.begin_round(1)
     uploads: dict[str, bytes] = {}
@@ -116,6 +141,7 @@ def run_alpha(alpha: float, seed: int, args, ds, log) -> dict:
     for cid in cvaes:
         uploads[cid] = fit(sim, cid)
     log(f"alpha {alpha}: 5 CVAE-small clients trained ({time.perf_counter() - t0:.0f} s)")
+    stage("CVAE-small clients", t0)
 
     def variants(tag: str, up: dict[str, bytes], which: list[str], art: Path | None = None) -> None:
         opts = {
@@ -125,12 +151,16 @@ def run_alpha(alpha: float, seed: int, args, ds, log) -> dict:
         }
         for name in which:
             method, extra = opts[name]
+            t0 = time.perf_counter()
             raw = config(method, groups(args, "vgg9", "cvae-small"), alpha, seed, args, **extra)
             acc, rec = fuse(raw, sim.ds, sim.slots, up, x_test, y_test, art if name == "FedMHO-MD" else None)
             key = name if tag == "final" else f"{name} @ {tag}"
             (out["accuracy"] if tag == "final" else out["trend"])[key] = acc
             out["server"][key] = rec
+            if tag == "final" and "fedavg-of-classifiers" in rec["references"]:
+                out["accuracy"]["FedAvg"] = rec["references"]["fedavg-of-classifiers"]
             log(f"alpha {alpha}: {key}: {acc:.4f}  ({rec['server_s']} s on the server)")
+            stage(key, t0)
 
     # VGG-9 clients, stretch by stretch (snapshots give the local-epoch trend)
     done = 0
@@ -143,20 +173,33 @@ def run_alpha(alpha: float, seed: int, args, ds, log) -> dict:
         log(f"alpha {alpha}: 5 VGG-9 clients at {stop} epochs ({time.perf_counter() - t0:.0f} s)")
         done = stop
         w0 = _average_accuracy(sim, vggs, uploads, x_test, y_test)
+        out["trend"][f"w0 @ {stop}"] = w0
+        stage(f"VGG-9 clients to {stop} epochs", t0)
         if stop != args.vgg_epochs:
-            out["trend"][f"w0 @ {stop}"] = w0
             variants(f"{stop} epochs", uploads, ["FedMHO-MD", "FedMHO-SD"])
     out["accuracy"]["w0 (average of the VGG-9 clients)"] = w0
     out["local_vgg_accuracy"] = [evaluate_accuracy(sim.clients[c].model, x_test, y_test) for c in vggs]
     art = Path(tempfile.mkdtemp())
-    variants("final", uploads, ["FedMHO", "FedMHO-MD", "FedMHO-SD", "FedMHO-MD no filter", "FedMHO-SD no filter"], art)
+    variants("final", uploads, args.variants, art)
     grid = args.plot_dir / f"fedmho-samples-dir{alpha}.png"
     if (art / "synthetic-samples.png").exists():
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(art / "synthetic-samples.png", grid)
     out["upload_bytes"] = {"VGG-9 client (weights)": len(uploads[vggs[0]]), "CVAE-small client (decoder + counts)": len(uploads[cvaes[0]])}
 
-    # one-shot FedAvg: the same VGG-9 uploads (same shared start) + 5 CNN-small clients
+    if args.small_prototype:
+        t0 = time.perf_counter()
+        _fedavg_with_small_prototype(out, ds, vggs, cvaes, uploads, alpha, seed, args, x_test, y_test, log)
+        stage("FedAvg with its CNN-small group", t0)
+    if args.fedcvae:
+        t0 = time.perf_counter()
+        _fedcvae(out, ds, vggs, cvaes, uploads, alpha, seed, args, x_test, y_test, log)
+        stage("FedCVAE-Ens", t0)
+    return out
+
+
+def _fedavg_with_small_prototype(out, ds, vggs, cvaes, uploads, alpha, seed, args, x_test, y_test, log) -> None:
+    """One-shot FedAvg as a run of its own: the same VGG-9 uploads (same shared start) + 5 CNN-small clients."""
     avg_raw = config("fedavg", groups(args, "vgg9", "cnn-small"), alpha, seed, args)
     avg_raw["method"] = {"name": "fedavg"}
     avg = Simulation(validate_config(avg_raw, "benchmark config"), dataset=ds, show_progress=False)
@@ -166,12 +209,18 @@ def run_alpha(alpha: float, seed: int, args, ds, log) -> dict:
     for cid in cvaes:
         assert avg.server.receive(decode(fit(avg, cid))).status == "accepted"
     avg.server.close_round(1)
-    per_arch = avg.evaluate(1)["per_arch"]
+    per_arch = {}
+    for arch, state in avg.server.global_models().items():
+        model = avg.server.build_global(arch)
+        model.load_state_dict(state)
+        per_arch[arch] = evaluate_accuracy(model, x_test, y_test, 1000)
     out["accuracy"]["FedAvg"] = next(v for a, v in per_arch.items() if a.startswith("vgg9"))
     out["fedavg_small_prototype"] = per_arch.get("cnn-small")
     log(f"alpha {alpha}: FedAvg {out['accuracy']['FedAvg']:.4f} (CNN-small group {out['fedavg_small_prototype']:.4f})")
 
-    # FedCVAE-Ens: CVAE-small on every client; the 5 constrained clients' decoders are reused
+
+def _fedcvae(out, ds, vggs, cvaes, uploads, alpha, seed, args, x_test, y_test, log) -> None:
+    """FedCVAE-Ens: CVAE-small on every client; the 5 constrained clients' decoders are reused."""
     cv_raw = config("fedcvae", groups(args, "cvae-small", "cvae-small"), alpha, seed, args,
                     global_model="vgg9", global_model_options={"width": args.width})
     cv = Simulation(validate_config(cv_raw, "benchmark config"), dataset=ds, show_progress=False)
@@ -182,8 +231,6 @@ def run_alpha(alpha: float, seed: int, args, ds, log) -> dict:
     acc, rec = fuse(cv_raw, cv.ds, cv.slots, cv_uploads, x_test, y_test)
     out["accuracy"]["FedCVAE-Ens"], out["server"]["FedCVAE-Ens"] = acc, rec
     log(f"alpha {alpha}: FedCVAE-Ens {acc:.4f}")
-    out["partition"] = [len(s.sample_indices) for s in sim.slots]
-    return out
 
 
 def _average_accuracy(sim: Simulation, vggs: list[str], uploads: dict[str, bytes], x_test, y_test) -> float:
@@ -241,8 +288,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--alpha", type=float, nargs="+", default=[0.5, 0.1])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--width", type=float, default=0.5, help="VGG-9 width (1.0 = the paper's 69 M parameters)")
-    p.add_argument("--vgg-epochs", type=int, default=10, help="local VGG-9 epochs (paper: 200)")
+    p.add_argument("--paper", action="store_true", help="the paper's VGG-9 clients: width 1.0, 200 epochs, SGD lr 1e-3 (a GPU run)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where clients and server train")
+    p.add_argument("--width", type=float, default=None, help="VGG-9 width (1.0 = the paper's 69 M parameters; default 0.5)")
+    p.add_argument("--vgg-epochs", type=int, default=None, help="local VGG-9 epochs (paper: 200; default 10)")
+    p.add_argument("--vgg-lr", type=float, default=None, help="local VGG-9 SGD learning rate (paper: 1e-3; default 5e-3, "
+                   "which trains faster in 10 epochs)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="the server variants to fuse")
+    p.add_argument("--small-prototype", action=argparse.BooleanOptionalAction, default=True,
+                   help="FedAvg's small prototype: 5 CNN-small clients trained as long as the VGG-9s")
+    p.add_argument("--fedcvae", action=argparse.BooleanOptionalAction, default=True, help="the FedCVAE-Ens baseline")
     p.add_argument("--snapshots", type=int, nargs="*", default=[], help="also fuse from these earlier epoch counts (Fig. 7 trend)")
     p.add_argument("--cvae-epochs", type=int, default=40, help="paper: 40 for Fashion")
     p.add_argument("--cvae-lr", type=float, default=1e-3)
@@ -254,6 +309,9 @@ def main() -> None:
     p.add_argument("--plot-dir", type=Path, default=Path("docs/img"))
     p.add_argument("--merge", nargs="+", type=Path, help="merge earlier result files instead of running")
     args = p.parse_args()
+    for name, scaled, paper in (("width", 0.5, 1.0), ("vgg_epochs", 10, 200), ("vgg_lr", 5e-3, 1e-3)):
+        if getattr(args, name) is None:
+            setattr(args, name, paper if args.paper else scaled)
     if args.merge:
         results = [r for f in args.merge for r in json.loads(f.read_text())["results"]]
         print(table(results))
@@ -267,11 +325,18 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.0f} s] {msg}", flush=True)
 
-    results = []
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
+    meta = {"args": {k: str(v) for k, v in vars(args).items()},
+            "compute_device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
+    results: list[dict] = []
     for alpha in args.alpha:
         for seed in args.seeds:
-            results.append(run_alpha(alpha, seed, args, ds, log))
-            save(f"fedmho-{args.tag}", {"results": results, "args": {k: str(v) for k, v in vars(args).items()}})
+            def keep(out: dict) -> None:
+                save(f"fedmho-{args.tag}", {"results": [*results, out], "partial": True, **meta})
+            results.append(run_alpha(alpha, seed, args, ds, log, keep))
+            save(f"fedmho-{args.tag}", {"results": results, "partial": len(results) < len(args.alpha) * len(args.seeds), **meta})
     print(table(results))
 
 
