@@ -12,7 +12,7 @@ from rich.table import Table
 from edgefl.baseline import BASELINE_LABEL, baseline_metrics, compare
 from edgefl.errors import EdgeflError
 from edgefl.rundir import RunDir
-from edgefl.safetext import printable
+from edgefl.safetext import console_text, printable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -358,6 +358,11 @@ def accuracy_table(run: RunDir) -> Table:
     judged = len(final["per_client"]) if final.get("per_client") else sum(counts.get(arch, 0) for arch in final["per_arch"])
     table.add_row(f"[bold]overall ({OVERALL})", str(judged or ""), f"[bold]{final['overall']:.4f}",
                   f"{best['accuracy']['overall']:.4f} ({best['round']})", *versus(None))
+    earlier = final.get("reported_earlier") or {}
+    if earlier:  # devices judged by their own latest report: say whose is old (a device that died keeps its last one)
+        few = ", ".join(f"{console_text(str(d), 64)} ({unit} {r})" for d, r in list(earlier.items())[:5]) + (", ..." if len(earlier) > 5 else "")
+        table.caption = (f"{len(earlier)} of {judged} devices' accuracies are from earlier {unit}s (offline, busy or not asked "
+                         f"when {unit} {evaluated[-1]['round']} was judged): {few}")
     return table
 
 

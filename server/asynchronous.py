@@ -324,7 +324,7 @@ class AsyncUpdates(RoundPolicy):
             fields["reason"] = receipt.reason
         self._answer(device, env, message.message_id, "ack", **fields)
         if message.meta.get("eval_accuracy") is not None:
-            self.evaluator.device_reported(device, message.meta["eval_accuracy"])
+            self.evaluator.device_reported(device, message.meta["eval_accuracy"], self.version)
         w = self.window
         if receipt.status != "accepted":
             w.tally.late.append(device)

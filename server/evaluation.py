@@ -7,7 +7,9 @@
   (FedCVAE-Ens) is judged on the server's copy.
 * A method without global models (FedHe, CHFL, local-only) is judged by each device's own model:
   devices measure it after training in an evaluation round and report it with their upload
-  (``meta.eval_accuracy``); a device's latest report stands for it.
+  (``meta.eval_accuracy``); a device's latest report stands for it, and a record names the devices
+  whose latest report is from an earlier round or update than the one judged (``reported_earlier``:
+  offline, busy or not asked then), so a dead device's old accuracy is not read as current.
 * Devices that hold no classifier (FedMHO's generator clients) are not judged.
 
 ``overall`` is the mean over the judged devices (over the global models when no device is).
@@ -37,6 +39,7 @@ class Evaluator:
         self.judged = judged
         self.personal = personal
         self.device_accuracy: dict[str, float] = {}  # the latest accuracy each device reported
+        self.reported_at: dict[str, int] = {}  # the round (or server update) of each device's latest report
 
     @property
     def has_test_set(self) -> bool:
@@ -53,8 +56,10 @@ class Evaluator:
             return []
         return [d for d, arch in self.archs.items() if d in self.judged and d in self.personal and arch in globals_]
 
-    def device_reported(self, device: str, accuracy: float) -> None:
+    def device_reported(self, device: str, accuracy: float, at: int) -> None:
+        """``device``'s accuracy, measured in round (or after server update) ``at``."""
         self.device_accuracy[device] = float(accuracy)
+        self.reported_at[device] = int(at)
 
     def _judge(self, server, arch: str, state: dict[str, torch.Tensor]) -> float | None:
         if not self.has_test_set:
@@ -63,8 +68,9 @@ class Evaluator:
         model.load_state_dict(state)
         return evaluate_accuracy(model, self.x_test, self.y_test, self.batch_size)
 
-    def evaluate(self, server, answers: dict[str, float]) -> dict[str, Any] | None:
-        """The accuracy record of a round (``answers``: what devices said to evaluate requests)."""
+    def evaluate(self, server, answers: dict[str, float], at: int | None = None) -> dict[str, Any] | None:
+        """The accuracy record of round (or server update) ``at`` (``answers``: what devices said to
+        evaluate requests)."""
         globals_ = server.global_models()
         if self.held_by_devices and globals_ and self.has_test_set:
             # the server's own test set judges the global models; devices' answers on their own data beside it
@@ -78,6 +84,10 @@ class Evaluator:
         record = self._judged(server, globals_, answers, self.personal)
         if record is not None:
             record["judged_on"] = self._source(bool(globals_), answers)
+            if not globals_ and at is not None:
+                earlier = {d: self.reported_at[d] for d in record["per_client"] if self.reported_at.get(d, at) < at}
+                if earlier:
+                    record["reported_earlier"] = earlier
             references = {name: score for name, (arch, state) in server.reference_models().items()
                           if (score := self._judge(server, arch, state)) is not None}
             if references:

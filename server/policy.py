@@ -106,7 +106,7 @@ class RoundPolicy(ABC):
             ready = set(self.endpoint.enrolment.ready())
             targets = [t for t in targets if t in ready]
         answers = self.ask_devices(r, targets) if targets else {}
-        return self.evaluator.evaluate(self.server, answers)
+        return self.evaluator.evaluate(self.server, answers, r)
 
     def judge_idle(self, r: int, busy: set[str] | dict[str, Any]) -> None:
         """Ask every online judged device not in ``busy`` for the accuracy of the model it holds
@@ -116,7 +116,7 @@ class RoundPolicy(ABC):
         idle = [d for d in ep.device_ids if d not in busy and d in self.evaluator.judged and ep.can_take_part(d)]
         if idle:
             for device, accuracy in self.ask_devices(r, idle, with_model=False).items():
-                self.evaluator.device_reported(device, accuracy)
+                self.evaluator.device_reported(device, accuracy, r)
 
     def ask_devices(self, r: int, targets: list[str], with_model: bool = True) -> dict[str, float]:
         """Send ``targets`` an evaluate request (carrying what a download of round r + 1 would,

@@ -361,7 +361,7 @@ class SyncRounds(RoundPolicy):
             receipt_status, reason = "late", f"round {message.round} closed; kept for the next rounds"
         ep.reply(device, env, "ack", status=receipt_status, **({"reason": reason} if reason else {}))
         if message.meta.get("eval_accuracy") is not None and receipt_status != "duplicate":
-            self.evaluator.device_reported(device, message.meta["eval_accuracy"])
+            self.evaluator.device_reported(device, message.meta["eval_accuracy"], message.round)
         if st is None:
             if closing is not None and receipt_status != "duplicate":
                 closing.tally.late.append(device)

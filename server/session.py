@@ -247,6 +247,7 @@ class RunSession:
         self._elapsed_before = float(last) if isinstance(last, (int, float)) and not isinstance(last, bool) \
             and 0 <= last < 1e9 else 0.0
         self.evaluator.device_accuracy = dict(extra.get("device_accuracy") or {})
+        self.evaluator.reported_at = dict(extra.get("device_accuracy_at") or {})  # absent from older checkpoints
         self.endpoint.rejections = Rejections.from_saved(extra.get("rejections"))  # the run's count goes on from the checkpoint's
         policy = self.policy
         policy.history = history
@@ -306,7 +307,8 @@ class RunSession:
             self.save_devices(self.run_dir.path / DEVICES_FILE, round_no)
         save_state(self.server, self.run_dir.path / STATE_FILE,
                    {"round": round_no, "tag": self.checkpoint_tag, "config_sha256": config_digest(self.cfg), "run_id": self.endpoint.run_id,
-                    "device_accuracy": self.evaluator.device_accuracy, "rejections": self.endpoint.rejections.saved(),
+                    "device_accuracy": self.evaluator.device_accuracy, "device_accuracy_at": self.evaluator.reported_at,
+                    "rejections": self.endpoint.rejections.saved(),
                     **({"records": len(policy.history)} if asynchronous else {"working": dict(policy.working)}),
                     **({"filters": filters} if (filters := {f.name: st for f in self.filters if (st := f.server_state())}) else {}),
                     **({"enrolled": self.enrolment.snapshot()} if self.enrolment is not None else {})},

@@ -125,3 +125,26 @@ def test_the_accuracy_table_counts_the_devices_the_record_judged(tmp_path):
     console.print(accuracy_table(run))
     overall = next(line for line in console.export_text().splitlines() if "overall" in line)
     assert [cell.strip() for cell in overall.split("│")][2] == str(judged)  # the clients column
+
+
+def test_a_record_names_the_devices_whose_accuracy_is_from_an_earlier_round(tmp_path):
+    """A device's latest report stands for it (a dead device's too): the record says whose is old,
+    and the accuracy table says so under it. Devices asked at the evaluation round are current."""
+    from rich.console import Console
+
+    from edgefl.report import accuracy_table
+
+    asked = Simulation(_one_device_a_round("fedhe"), show_progress=False)
+    asked.run()
+    assert all("reported_earlier" not in r["accuracy"] for r in asked.history if r["accuracy"])
+
+    cfg = _one_device_a_round("fedhe", "last_reported")
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    Simulation(cfg, run, show_progress=False).run()
+    final = [r for r in run.metrics() if r["accuracy"]][-1]
+    earlier = final["accuracy"]["reported_earlier"]
+    assert earlier and set(earlier) == set(final["accuracy"]["per_client"]) - set(final["reported"])
+    assert all(1 <= r < final["round"] for r in earlier.values())
+    console = Console(width=400, record=True)
+    console.print(accuracy_table(run))
+    assert f"{len(earlier)} of {len(final['accuracy']['per_client'])} devices' accuracies are from earlier rounds" in console.export_text()
