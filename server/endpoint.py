@@ -142,6 +142,15 @@ class ServerEndpoint:
     def is_online(self, device: str) -> bool:
         return bool(self.online.get(device))
 
+    def mark_absent(self, devices: Iterable[str], since: float) -> None:
+        """Devices never heard from while the server waited for them (from ``since``, the
+        transport's clock) count as offline since then: a round or request waits for them at most
+        what is left of ``offline_grace_s``, not its whole deadline, until they come online."""
+        for device in devices:
+            if device in self.known and device not in self.online:
+                self.online[device] = False
+                self.offline_since.setdefault(device, since)
+
     def can_take_part(self, device: str) -> bool:
         """Online and, when devices bring their own data, ready."""
         return bool(self.online.get(device)) and (self.enrolment is None or self.enrolment.is_ready(device))

@@ -83,9 +83,12 @@ class RoundPolicy(ABC):
         ep.announce(self.last_round, {"selected": [], "selected_count": 0, "target": 0, "deadline_unix": time.time(),
                                       "rounds": self.cfg.rounds, "done": False, **self.mode_info})  # section 6.1, 6.8
         end = self.clock.now() + timeout_s
+        waited_from = ep.transport.now()
         enough = self.needed_to_start()
         while self.clock.now() < end and ep.joined() < enough and not should_stop():
             ep.pump(min(end - self.clock.now(), 0.5))
+        # a device never heard from in the wait is offline since it began (it had no presence to say so)
+        ep.mark_absent(ep.device_ids, waited_from)
         if ep.enrolment is not None:
             ready = set(ep.ready_online())  # a resumed run's enrolment says who was ready: they count once back online
             missing = [d for d in ep.device_ids if d not in ready]

@@ -68,3 +68,26 @@ def test_a_device_dead_before_the_rounds_does_not_hold_up_every_round_by_the_gra
     # after the first (the devices' start), each round closed once the two live devices reported,
     # without waiting out client-2's grace again
     assert all(h["round_time_s"] < grace for h in history[1:]), [h["round_time_s"] for h in history]
+
+
+def test_a_device_that_never_connects_does_not_hold_up_every_round_by_the_deadline():
+    """A device never heard from had no offline time, so no grace applied to it: the server said
+    "starting without client-2" and then waited the whole round deadline for it every round. It
+    counts as offline since the server began waiting for the devices."""
+    import uuid
+
+    from edgefl.config import RunConfig
+    from tests.conftest import digits_config, serve_with_device_threads
+
+    raw = digits_config("fedavg", rounds=3)
+    raw["fleet"] = {"groups": [{"model": "mlp", "count": 3, "options": {"hidden": [16]}}]}
+    deadline = 20.0
+    raw["network"] = {"round_deadline_s": deadline, "offline_grace_s": 1.0, "federation": f"never-{uuid.uuid4().hex[:8]}"}
+    raw["threads"] = 1
+    cfg = RunConfig.model_validate(raw)
+    url = f"memory://never-{uuid.uuid4().hex[:8]}"
+    summary, _ = serve_with_device_threads(cfg, url, ["client-0", "client-1"], join_timeout_s=3)
+    history = summary["history"]
+    assert [h["outcome"] for h in history] == ["offline"] * 3, history
+    assert all(h["round_time_s"] < deadline / 2 for h in history), [h["round_time_s"] for h in history]
+    assert all(h["receipts"]["client-2"].startswith("missing: offline") for h in history)
