@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from edgefl.transport.link import BrokerAddress, Link
 from edgefl.transport.topics import Topics
 from edgefl.transport.envelope import unpack
@@ -203,8 +205,6 @@ def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(
     """The broker closes the older connection of a client id another client takes; reconnecting would
     close the newer in turn, forever. The older device (it sees the newer's presence) stops with the
     reason, the newer keeps its connection."""
-    import pytest
-
     from edgefl.errors import EdgeflError
     from edgefl.transport.mqtt import MqttDeviceTransport
 
@@ -226,3 +226,51 @@ def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(
         finally:
             first.close()
             second.close()
+
+
+def _drain(transport, seconds: float) -> list[bytes]:
+    got, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        item = transport.receive(0.2)
+        if item is not None and item.channel == "message":
+            got.append(item.payload)
+    return got
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_a_devices_new_process_drops_what_the_broker_queued_for_the_old_one_and_keeps_its_session_over_reconnects(
+        tmp_path, protocol):
+    """A device restarted for a new run of its federation got the old run's queued downloads first:
+    it trained them, its uploads were refused, and the old run's end made it quit the new run. A
+    device's process starts with a clean session (the server re-sends the current download when the
+    device comes online); a reconnect within the process keeps the session and what waited in it."""
+    import socket
+
+    from edgefl.transport.mqtt import MqttDeviceTransport
+
+    topics = Topics(f"queued-{protocol.replace('.', '')}")
+    with mosquitto(tmp_path) as broker:
+        address = BrokerAddress.parse(broker)
+        server = Link(address, f"edgefl-{topics.federation}-server", [], protocol=protocol).start()
+
+        def process() -> MqttDeviceTransport:
+            return MqttDeviceTransport.connect(broker, topics, "client-0", max_packet_bytes=1 << 20, keepalive_s=30,
+                                               protocol=protocol)
+
+        old = process()
+        old.link.stop(offline=False)  # the old process is gone; the broker keeps its session for it
+        server.publish(topics.down("client-0"), b"queued for the old process")
+        time.sleep(0.5)
+        new = process()
+        try:
+            assert _drain(new, 2.0) == []
+            new.link.client.socket().shutdown(socket.SHUT_RDWR)  # the network drops; paho reconnects by itself
+            deadline = time.monotonic() + 5
+            while new.link.connected.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.publish(topics.down("client-0"), b"sent while it was away")
+            assert new.link.connected.wait(15) and new.link.connect_count == 2
+            assert _drain(new, 3.0) == [b"sent while it was away"]
+        finally:
+            new.close()
+            server.stop()

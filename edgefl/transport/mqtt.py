@@ -79,7 +79,8 @@ class MqttDeviceTransport(DeviceTransport):
         stay closed when another client takes the device's id over (the load generator says so itself)."""
         return Link(address, f"edgefl-{topics.federation}-{device}", [topics.down(device), topics.rounds],
                     topics.presence(device), username=username, password=password, ca_file=ca_file, protocol=protocol,
-                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s, yield_session=yield_session)
+                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s, yield_session=yield_session,
+                    fresh_session=True)
 
     @classmethod
     def connect(cls, broker: str, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
