@@ -414,11 +414,17 @@ def participation_notes(run: RunDir) -> list[str]:
     if len(missed) > 8:
         notes.append(f"and {len(missed) - 8} more devices missing in some rounds")
     try:
-        refused = run.read_json("summary.json").get("rejections", {}).get("count", 0)
+        rejections = run.read_json("summary.json").get("rejections") or {}
+        refused = rejections.get("count", 0)
     except (OSError, ValueError, AttributeError):
-        refused = 0
-    if isinstance(refused, int) and refused > 0:
+        rejections, refused = {}, 0
+    if isinstance(refused, int) and not isinstance(refused, bool) and refused > 0:
         notes.append(f"{refused} message{'s' if refused > 1 else ''} refused (summary.json: rejections, by reason and sender)")
+        by_reason = rejections.get("by_reason") if isinstance(rejections.get("by_reason"), dict) else {}
+        examples = rejections.get("examples") if isinstance(rejections.get("examples"), dict) else {}
+        for reason, count in list(by_reason.items())[:5]:  # the most common first, as the record keeps them
+            shown = examples.get(reason, reason)  # the first refusal word for word, where the reason was folded
+            notes.append(f"  {count} x {printable(shown, 160)}")
     return notes
 
 

@@ -117,6 +117,7 @@ class ServerEndpoint:
         self.max_epochs = max_epochs
         self.filters = list(filters or [])
         self.on_event = on_event or (lambda kind, info: None)
+        self._events_shown = on_event is not None  # a caller that shows events (the CLI) prints refusals itself
         self.enrolment = enrolment  # devices that bring their own data join through it; None: the config assigns data
         self.reassembler = Reassembler(network.max_message_bytes, network.stale_upload_s, max_partial_bytes=network.max_partial_bytes_total,
                                        max_age_s=partial_max_age_s)
@@ -490,7 +491,8 @@ class ServerEndpoint:
         if loud and announce:
             # ids and reasons quote the network: no fake log lines, no markup that breaks the console printer
             who, why = printable(device, 64), printable(reason, 300)
-            log.warning("rejected from %s: %s", who, why)
+            if not self._events_shown:  # else the caller's event line says it: not twice in one console
+                log.warning("rejected from %s: %s", who, why)
             self.on_event("rejected", {"device": who, "reason": why})
         return loud
 

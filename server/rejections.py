@@ -28,6 +28,15 @@ def reason_kind(reason: str) -> str:
     return re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", folded)[:120]
 
 
+def _top(counter: Counter[str]) -> dict[str, int]:
+    """The :data:`TOP` most common keys, and the rest summed under :data:`OTHER`."""
+    top = dict(counter.most_common(TOP))
+    rest = sum(counter.values()) - sum(top.values())
+    if rest:
+        top[OTHER] = top.get(OTHER, 0) + rest
+    return top
+
+
 @dataclass
 class Rejections:
     """Refusals counted by reason and sender, with a cap on distinct keys (a dataclass, so a
@@ -66,9 +75,10 @@ class Rejections:
         return self.total <= LOGGED_PER_ROUND or self.total % LOG_EVERY == 0
 
     def summary(self) -> dict[str, Any]:
-        """What a round record keeps: the count and the top reasons and senders."""
-        top = dict(self.by_reason.most_common(TOP))
-        return {"count": self.total, "by_reason": top, "by_sender": dict(self.by_sender.most_common(TOP)),
+        """What a round record keeps: the count and the top reasons and senders, the rest counted
+        together under "(other)" (so each adds up to the count)."""
+        top = _top(self.by_reason)
+        return {"count": self.total, "by_reason": top, "by_sender": _top(self.by_sender),
                 "examples": {k: self.examples[k] for k in top if k in self.examples}}
 
     def saved(self) -> dict[str, Any]:
