@@ -44,6 +44,7 @@ import json
 import shutil
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -75,6 +76,8 @@ def config(method: str, groups: list[dict], alpha: float, seed: int, args, **met
         "data": {"dataset": "fashion-mnist", "partition": "dirichlet", "alpha": alpha, "min_samples": 10},
         "train": {"batch_size": 64},
         "fleet": {"groups": groups},
+        # a full-width VGG-9 is 277 MB, over the default message limit (the run would refuse to start)
+        **({"network": {"max_message_bytes": 320 << 20, "max_partial_bytes_total": 1 << 30}} if args.width > 0.9 else {}),
     }
 
 
@@ -153,8 +156,14 @@ def run_alpha(alpha: float, seed: int, args, ds, log, keep: Callable[[dict], Non
             method, extra = opts[name]
             t0 = time.perf_counter()
             raw = config(method, groups(args, "vgg9", "cvae-small"), alpha, seed, args, **extra)
-            acc, rec = fuse(raw, sim.ds, sim.slots, up, x_test, y_test, art if name == "FedMHO-MD" else None)
             key = name if tag == "final" else f"{name} @ {tag}"
+            try:
+                acc, rec = fuse(raw, sim.ds, sim.slots, up, x_test, y_test, art if name == "FedMHO-MD" else None)
+            except Exception as exc:  # one variant's failure (on a lent GPU: its minutes) must not lose the others
+                out.setdefault("errors", {})[key] = "".join(traceback.format_exception(exc)[-3:])[-2000:]
+                log(f"alpha {alpha}: {key} FAILED: {exc!r}")
+                stage(key, t0)
+                continue
             (out["accuracy"] if tag == "final" else out["trend"])[key] = acc
             out["server"][key] = rec
             if tag == "final" and "fedavg-of-classifiers" in rec["references"]:
