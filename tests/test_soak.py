@@ -110,7 +110,7 @@ def test_a_run_under_continuous_hostile_traffic_ends_with_the_fault_free_numbers
     assert summary["final_accuracy"] == fault_free["final_accuracy"]
     assert [h["accuracy"] for h in history] == [h["accuracy"] for h in sim.history]
     refused = summary["rejections"]
-    assert refused["count"] > 100 and len(refused["by_reason"]) <= 10 and len(refused["by_sender"]) <= 10
+    assert refused["count"] > 100 and len(refused["by_reason"]) <= 11 and len(refused["by_sender"]) <= 11  # the top ten and "(other)"
     metrics = (run.path / "metrics.jsonl").read_text()
     assert len(metrics) < 30_000, f"metrics grew to {len(metrics)} bytes"
     assert all(len(json.dumps(h["rejected"])) < 3000 for h in history)

@@ -2,10 +2,11 @@
 
 * persistent session: a stable client id, clean start off and a session expiry (MQTT 5) or
   ``clean_session = False`` (MQTT 3.1.1), so QoS 1 messages wait for a device that is offline;
-  a device's link (``fresh_session``) starts its process with a clean session and keeps it over
-  reconnects: what the broker queued for an earlier process of the same device id belongs to a
-  run, or rounds, that process no longer takes part in (the server re-sends the current
-  download when a device comes online);
+  a device's link (``fresh_session``, MQTT 5) starts its process with a clean session and keeps it
+  over reconnects: what the broker queued for an earlier process of the same device id belongs to
+  a run, or rounds, that process no longer takes part in (the server re-sends the current
+  download when a device comes online). MQTT 3.1.1 fixes clean_session for a client's life, so
+  there a restarted device still gets what was queued;
 * presence: retained ``online`` on connect, ``offline`` as the last will;
 * reconnect with exponential back-off whose floor is jittered per client, so a fleet does not
   reconnect in lockstep after a broker restart;
@@ -128,7 +129,6 @@ class Link:
             protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
             **({} if self.v5 else {"clean_session": False}),
         )
-        self._credentials, self._ca_file = (username, password), ca_file  # a v3.1.1 session drop connects with them too
         if username:
             self.client.username_pw_set(username, password)
         if address.tls:
@@ -195,34 +195,11 @@ class Link:
             # a fresh session: clean at this process's first connection only, kept over its reconnects
             first = self._mqtt.MQTT_CLEAN_START_FIRST_ONLY if self._fresh_session else False
             kwargs = {"clean_start": first, "properties": props}
-        elif self._fresh_session:
-            self._drop_session_v311()
         try:
             self.client.connect(self.address.host, self.address.port, keepalive=self._keepalive_s, **kwargs)
         except OSError as exc:
             raise BrokerUnreachable(f"cannot reach the broker at {self.address}: {exc}",
                               hint="start one (edgefl fleet starts its own) or check --broker") from None
-
-    def _drop_session_v311(self, timeout_s: float = 10.0) -> None:
-        """MQTT 3.1.1 fixes clean_session for a client's life: a short connection with the same
-        client id and a clean session drops what the broker kept for an earlier process."""
-        mqtt = self._mqtt
-        purge = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv311, clean_session=True)
-        if self._credentials[0]:  # the same credentials and TLS as the link itself
-            purge.username_pw_set(*self._credentials)
-        if self.address.tls:
-            purge.tls_set(ca_certs=self._ca_file)
-        accepted = threading.Event()
-        purge.on_connect = lambda client, userdata, flags, reason_code, properties=None: accepted.set()
-        try:
-            purge.connect(self.address.host, self.address.port, keepalive=self._keepalive_s)
-            end = time.monotonic() + timeout_s
-            while not accepted.is_set() and time.monotonic() < end:
-                purge.loop(0.1)
-            purge.disconnect()
-        except OSError as exc:
-            raise BrokerUnreachable(f"cannot reach the broker at {self.address}: {exc}",
-                                    hint="start one (edgefl fleet starts its own) or check --broker") from None
 
     def start(self, timeout_s: float = 15.0) -> Link:
         self.open()
