@@ -360,9 +360,9 @@ def accuracy_table(run: RunDir) -> Table:
                   f"{best['accuracy']['overall']:.4f} ({best['round']})", *versus(None))
     earlier = final.get("reported_earlier") or {}
     if earlier:  # devices judged by their own latest report: say whose is old (a device that died keeps its last one)
-        few = ", ".join(f"{console_text(str(d), 64)} ({unit} {r})" for d, r in list(earlier.items())[:5]) + (", ..." if len(earlier) > 5 else "")
+        whose = few([f"{console_text(str(d), 64)} ({unit} {r})" for d, r in earlier.items()], 5)
         table.caption = (f"{len(earlier)} of {judged} devices' accuracies are from earlier {unit}s (offline, busy or not asked "
-                         f"when {unit} {evaluated[-1]['round']} was judged): {few}")
+                         f"when {unit} {evaluated[-1]['round']} was judged): {whose}")
     return table
 
 

@@ -117,7 +117,6 @@ class ServerEndpoint:
         self.max_epochs = max_epochs
         self.filters = list(filters or [])
         self.on_event = on_event or (lambda kind, info: None)
-        self._events_shown = on_event is not None  # a caller that shows events (the CLI) prints refusals itself
         self.enrolment = enrolment  # devices that bring their own data join through it; None: the config assigns data
         self.reassembler = Reassembler(network.max_message_bytes, network.stale_upload_s, max_partial_bytes=network.max_partial_bytes_total,
                                        max_age_s=partial_max_age_s)
@@ -148,7 +147,7 @@ class ServerEndpoint:
         transport's clock) count as offline since then: a round or request waits for them at most
         what is left of ``offline_grace_s``, not its whole deadline, until they come online."""
         for device in devices:
-            if device in self.known and device not in self.online:
+            if device not in self.online:
                 self.online[device] = False
                 self.offline_since.setdefault(device, since)
 
@@ -491,8 +490,7 @@ class ServerEndpoint:
         if loud and announce:
             # ids and reasons quote the network: no fake log lines, no markup that breaks the console printer
             who, why = printable(device, 64), printable(reason, 300)
-            if not self._events_shown:  # else the caller's event line says it: not twice in one console
-                log.warning("rejected from %s: %s", who, why)
+            log.warning("rejected from %s: %s", who, why)
             self.on_event("rejected", {"device": who, "reason": why})
         return loud
 
