@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -289,6 +290,31 @@ def _failures(run_path: Path) -> dict[int, str]:
     return out
 
 
+class _EchoedEvents(logging.Filter):
+    """Drops the log records that repeat an event the console printer already shows (the server
+    logs each refusal for library users and simulations, and the fleet console prints the same
+    refusal as an event line: without this, every refusal appeared twice)."""
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        super().__init__()
+        self.kinds = kinds
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "edgefl_event", None) not in self.kinds
+
+
+@contextmanager
+def _events_printed_not_logged(kinds: tuple[str, ...] = ("rejected",)):
+    """While a fleet console prints these events, the server's log does not repeat them."""
+    server_log = logging.getLogger("edgefl.server")
+    echo = _EchoedEvents(kinds)
+    server_log.addFilter(echo)
+    try:
+        yield
+    finally:
+        server_log.removeFilter(echo)
+
+
 PER_DEVICE_LINES_MAX = 64  # larger fleets print counts: ten thousand "joined" lines help nobody
 
 
@@ -400,7 +426,7 @@ def fleet(
     err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
     board = _open_dashboard(run.path, dashboard)
-    with _stoppable() as (stop, beat), _discarded_on_failure(run), _second_signal(run.path):
+    with _stoppable() as (stop, beat), _discarded_on_failure(run), _second_signal(run.path), _events_printed_not_logged():
         summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), parts=parts,
                             should_stop=stop.requested, keep=keep)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
@@ -484,7 +510,8 @@ def server(
         run = RunDir.create(out_dir, cfg.name, cfg.seed, overwrite=overwrite)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
     board = _open_dashboard(run.path, dashboard)
-    with _stoppable() as (stop, beat), _discarded_on_failure(run if not resume else None), _second_signal(run.path):
+    with (_stoppable() as (stop, beat), _discarded_on_failure(run if not resume else None), _second_signal(run.path),
+          _events_printed_not_logged()):
         summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), username, os.environ.get(password_env),
                         str(ca_file) if ca_file else None, resume=resume, parts=parts, should_stop=stop.requested, signing_key=signing_key)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR

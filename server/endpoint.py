@@ -490,7 +490,8 @@ class ServerEndpoint:
         if loud and announce:
             # ids and reasons quote the network: no fake log lines, no markup that breaks the console printer
             who, why = printable(device, 64), printable(reason, 300)
-            log.warning("rejected from %s: %s", who, why)
+            # marked as the echo of the "rejected" event: a console that prints the event drops this line
+            log.warning("rejected from %s: %s", who, why, extra={"edgefl_event": "rejected"})
             self.on_event("rejected", {"device": who, "reason": why})
         return loud
 

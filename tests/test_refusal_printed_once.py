@@ -1,0 +1,43 @@
+"""A refusal shows once on a fleet console: the server logs each refusal (for library users and
+simulations, which have no event printer) and the CLI's printer shows it as an event line; while
+the printer runs, the log's copy is dropped (an outside trial saw every refusal twice)."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from rich.console import Console
+
+from edgefl.cli import _events_printed_not_logged, _fleet_printer
+from edgefl.config import NetworkSettings
+from edgefl.methods import METHODS
+from edgefl.server.endpoint import ServerEndpoint
+from edgefl.transport.memory import MemoryServerTransport, hub
+from edgefl.transport.topics import Topics
+
+
+def _endpoint(name: str, on_event) -> ServerEndpoint:
+    topics = Topics(name)
+    return ServerEndpoint(NetworkSettings(), METHODS["fedavg"], MemoryServerTransport(hub(name), topics), ["client-0"], name,
+                          num_classes=10, max_epochs=1, partial_max_age_s=60, on_event=on_event)
+
+
+def test_a_refusal_is_logged_for_library_users(caplog):
+    endpoint = _endpoint("refusal-logged", lambda kind, info: None)
+    with caplog.at_level(logging.WARNING, logger="edgefl.server"):
+        endpoint.count("client-0", "tensor 'w' holds a NaN")
+    assert [r.getMessage() for r in caplog.records] == ["rejected from client-0: tensor 'w' holds a NaN"]
+
+
+def test_the_fleet_console_prints_a_refusal_once_and_keeps_other_warnings(caplog):
+    buffer = io.StringIO()
+    endpoint = _endpoint("refusal-once", _fleet_printer(Console(file=buffer, width=500, color_system=None), 3, None, 1))
+    with caplog.at_level(logging.WARNING, logger="edgefl.server"), _events_printed_not_logged():
+        endpoint.count("client-0", "tensor 'w' holds a NaN")
+        logging.getLogger("edgefl.server").warning("something else")
+    assert buffer.getvalue().count("holds a NaN") == 1  # the event line
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+    caplog.clear()
+    endpoint.count("client-0", "second refusal")  # the console is gone: the log has it again
+    assert [r.getMessage() for r in caplog.records] == ["rejected from client-0: second refusal"]
