@@ -14,6 +14,10 @@ It acts on what the server sends:
   chunks again. An upload left unanswered is resent with growing back-off (:meth:`tick`).
 * the round announcement: the run is done when it says so.
 
+Blocking (:meth:`run`), the device reads every delivery at hand before it trains: of several
+downloads that waited for it (queued in its session while it was offline, then delivered at
+once on reconnect) it trains only the newest and skips the rest, which the server has moved past.
+
 With a :class:`~edgefl.device_state.DeviceStateStore` the device saves its model, what its
 method carries and the upload after every round it trains, and starts from them again after a
 crash (:meth:`restore`): the server resends the download of the round it is waiting for, and
@@ -113,6 +117,10 @@ class DeviceLoop:
         #: the device side of the configured filter chain: downloads in (reversed), uploads out (in order)
         self.filters = list(filters or [])
         self.refused = 0  # server messages refused (malformed, unsigned, out of bounds...)
+        #: set by :meth:`run`: a checked download waits here until the deliveries at hand are read
+        self._defer_training = False
+        self._waiting: tuple[Envelope, Message | None] | None = None
+        self.skipped: list[int] = []  # rounds whose download a newer one overtook (not trained)
         self._refusal_window = [-math.inf, 0]  # [start of the minute, refusals in it]
 
     def restore(self) -> int | None:
@@ -153,16 +161,19 @@ class DeviceLoop:
         """Act on one delivery. Never raises on what the network brings: bad input (a malformed,
         unsigned or out-of-bounds envelope, chunk or message body, wherever it shows) is logged
         and dropped, and the device goes on."""
+        self._guarded(lambda: self._handle(item), item.where or item.channel)
+
+    def _guarded(self, act: Callable[[], None], where: str) -> None:
         try:
-            self._handle(item)
+            act()
         except PayloadError as exc:
             self.refused += 1
             if self._loud():
-                log.warning("%s: refusing a message on %s: %s", self.device, printable(item.where or item.channel, 120), printable(str(exc)))
+                log.warning("%s: refusing a message on %s: %s", self.device, printable(where, 120), printable(str(exc)))
         except Exception:  # a case no check foresaw: the device must outlive any message
             self.refused += 1
             if self._loud():
-                log.exception("%s: could not act on a message on %s; ignored", self.device, printable(item.where or item.channel, 120))
+                log.exception("%s: could not act on a message on %s; ignored", self.device, printable(where, 120))
 
     def _loud(self) -> bool:
         """Whether a refusal gets its own log line: the first REFUSALS_LOGGED in each minute do,
@@ -268,7 +279,32 @@ class DeviceLoop:
         self.handled.add(env.message_id)
         if self.fit_later is not None and self.fit_later(self, env):
             return  # the simulation trains this download with others, then calls complete()
+        if self._defer_training:
+            self._hold(env, downlink)
+            return
         self.complete(env, self.fit(env, downlink))
+
+    def _hold(self, env: Envelope, downlink: Message | None) -> None:
+        """Keep the newest download until the deliveries at hand are read (:meth:`run`). Rounds
+        (and asynchronous work numbers) only grow: an older download than one in hand is work
+        the server has moved past, and training it would only delay the current one."""
+        if self._waiting is not None:
+            held = self._waiting[0]
+            older, self._waiting = (held, (env, downlink)) if env.round >= held.round else (env, self._waiting)
+            self.skipped.append(older.round)
+            log.warning("%s: skipping the download of round %d: the download of round %d came with it (it waited "
+                        "while this device was away, and the server has moved on)", self.device, older.round,
+                        self._waiting[0].round)
+            return
+        self._waiting = (env, downlink)
+
+    def train_waiting(self) -> None:
+        """Train the download kept by :meth:`_hold`, if any (errors refused as :meth:`handle` does)."""
+        if self._waiting is None:
+            return
+        env, downlink = self._waiting
+        self._waiting = None
+        self._guarded(lambda: self.complete(env, self.fit(env, downlink)), f"download of round {env.round}")
 
     def fit(self, env: Envelope, downlink: Message | None = None) -> Message:
         """Run the client half on one download: what it shares. Whatever the download held, the
@@ -416,12 +452,19 @@ class DeviceLoop:
     def run(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
         """Serve rounds until the server says the run is done (or ``timeout_s`` passes)."""
         started = self.transport.now()
-        while not self.finished:
-            item = self.transport.receive(0.2)
-            while item is not None:
-                self.handle(item)
-                item = self.transport.receive(0)
-            self.tick()
-            if timeout_s is not None and self.transport.now() - started > timeout_s:
-                break
+        self._defer_training = True
+        try:
+            while not self.finished:
+                item = self.transport.receive(0.2)
+                while item is not None:
+                    self.handle(item)
+                    item = self.transport.receive(0)
+                if not self.finished:  # every delivery at hand is read: the newest download is trained
+                    self.train_waiting()
+                self.tick()
+                if timeout_s is not None and self.transport.now() - started > timeout_s:
+                    break
+        finally:
+            self._defer_training = False
+            self._waiting = None
         return self.results

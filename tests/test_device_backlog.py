@@ -1,0 +1,73 @@
+"""A device that comes back after missing rounds trains only the newest download it finds waiting.
+
+Over MQTT a device's persistent session queues the downloads sent while it was offline, and on
+reconnect the broker delivers them all at once. Before, the device trained each in turn: minutes
+of training for rounds the server had already closed, after which the current round's upload was
+late too. Now :meth:`DeviceLoop.run` reads every delivery at hand first and trains the newest."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from edgefl.build import build_run
+from edgefl.config import validate_config
+from edgefl.device import DeviceLoop
+from edgefl.messages import Message, encode
+from edgefl.transport.base import Delivery, DeviceTransport
+from edgefl.transport.envelope import Envelope, pack, unpack
+from tests.conftest import method_config
+
+FED = "backlog"
+
+
+class Queued(DeviceTransport):
+    """A device's wire whose deliveries are all waiting when the device starts reading."""
+
+    def __init__(self, waiting: list[Delivery]) -> None:
+        self.waiting = deque(waiting)
+        self.sent: list[bytes] = []
+        self.clock = 0.0
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def receive(self, timeout_s: float):
+        self.clock += timeout_s
+        return self.waiting.popleft() if self.waiting else None
+
+    def now(self) -> float:
+        return self.clock
+
+
+def _download(message: Message) -> Delivery:
+    env = Envelope("download", FED, message.round, "server", encode(message), model_version=message.round,
+                   codec="safetensors", extra={"info": {"run": "run-1"}})
+    return Delivery("message", "server", pack(env))
+
+
+def _served(arrival: list[int]) -> tuple[list[int], list[int]]:
+    """Rounds uploaded and rounds skipped by a device that finds these rounds' downloads waiting."""
+    from edgefl.sim import Simulation
+
+    raw = method_config("fedavg", rounds=3)
+    raw["network"] = {"federation": FED}
+    cfg = validate_config(raw)
+    parts = build_run(cfg)
+    sim = Simulation(cfg, show_progress=False)  # its server half makes real downloads
+    downloads = {r: _download(sim.server.downlink(r, "client-0")) for r in sorted(arrival)}
+    loop = DeviceLoop(parts.client("client-0"), Queued([downloads[r] for r in arrival]), FED, cfg.network)
+    loop.run(timeout_s=5.0)
+    uploads = sorted({e.round for e in (unpack(d, 1 << 30) for d in loop.transport.sent) if e.type == "upload"})
+    return uploads, sorted(loop.skipped)
+
+
+def test_of_downloads_waiting_together_only_the_newest_is_trained():
+    assert _served([1, 2, 3]) == ([3], [1, 2])
+
+
+def test_an_older_download_arriving_after_a_newer_one_is_skipped():
+    assert _served([2, 1]) == ([2], [1])
+
+
+def test_a_download_alone_is_trained():
+    assert _served([1]) == ([1], [])
