@@ -228,6 +228,33 @@ def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(
             second.close()
 
 
+def test_a_second_server_of_a_federation_stops_the_first_instead_of_flapping(tmp_path):
+    """Two servers of one federation share the client id ``edgefl-<federation>-server``: before,
+    each reconnect closed the other's connection, forever, and both sent their rounds to the same
+    devices. The older server (it sees the newer's presence) stops with the reason; the newer goes on."""
+    from edgefl.errors import EdgeflError
+    from edgefl.transport.mqtt import MqttServerTransport
+
+    topics = Topics("twin-servers")
+    with mosquitto(tmp_path) as broker:
+        first = MqttServerTransport.connect(broker, topics, max_packet_bytes=1 << 20, keepalive_s=30)
+        second = MqttServerTransport.connect(broker, topics, max_packet_bytes=1 << 20, keepalive_s=30)
+        try:
+            with pytest.raises(EdgeflError, match="two servers cannot share one federation") as exc:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    first.receive(0.2)
+            assert "--resume" in exc.value.hint
+            assert second.link.connected.wait(10)
+            connects = second.link.connect_count
+            time.sleep(4)  # longer than the reconnect back-off: nothing closes the second any more
+            assert second.link.connected.is_set() and second.link.connect_count == connects <= 2
+            assert not first.link.connected.is_set() and not second.link.taken_over.is_set()
+        finally:
+            first.close()
+            second.close()
+
+
 def _drain(transport, seconds: float) -> list[bytes]:
     got, end = [], time.monotonic() + seconds
     while time.monotonic() < end:

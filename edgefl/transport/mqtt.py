@@ -34,7 +34,9 @@ class MqttServerTransport(ServerTransport):
                 username: str | None = None, password: str | None = None, ca_file: str | None = None) -> MqttServerTransport:
         link = Link(_warn_if_open(BrokerAddress.parse(broker), username), f"edgefl-{topics.federation}-server", [topics.all_up, topics.all_presence],
                     topics.presence("server"), username=username, password=password, ca_file=ca_file, protocol=protocol,
-                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s).start()
+                    max_packet_bytes=max_packet_bytes, keepalive_s=keepalive_s,
+                    # two servers of one federation share a client id: the older yields (MQTT 5) instead of flapping
+                    yield_session=True).start()
         return cls(link, topics)
 
     def send(self, device: str, data: bytes) -> None:
@@ -46,6 +48,12 @@ class MqttServerTransport(ServerTransport):
     def receive(self, timeout_s: float) -> Delivery | None:
         item = self.link.get(timeout_s)
         if item is None:
+            if self.link.taken_over.is_set():
+                raise EdgeflError(
+                    f"another server process, started after this one, connected to the broker as the server of federation "
+                    f"{self.topics.federation!r}: two servers cannot share one federation's devices",
+                    hint="stop one of the two, or give each run its own network.federation; this server stops here (its "
+                         "rounds so far are saved: continue them later with edgefl server ... --resume --out RUN_DIR)")
             return None
         if item.topic == self.topics.presence("server"):
             return None  # our own retained presence
