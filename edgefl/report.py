@@ -361,8 +361,12 @@ def accuracy_table(run: RunDir) -> Table:
     earlier = final.get("reported_earlier") or {}
     if earlier:  # devices judged by their own latest report: say whose is old (a device that died keeps its last one)
         whose = few([f"{console_text(str(d), 64)} ({unit} {r})" for d, r in earlier.items()], 5)
-        table.caption = (f"{len(earlier)} of {judged} devices' accuracies are from earlier {unit}s (offline, busy or not asked "
-                         f"when {unit} {evaluated[-1]['round']} was judged): {whose}")
+        last = evaluated[-1]
+        first = last["round"] - int(last.get("updates") or 0) + 1  # the first update of the record's window
+        when = (f"before update {min(first, last['round'])}, the first of the last record's window (offline, busy or not "
+                f"asked since)" if unit == "update"
+                else f"earlier rounds (offline, busy or not asked when round {last['round']} was judged)")
+        table.caption = f"{len(earlier)} of {judged} devices' accuracies are from {when}: {whose}"
     return table
 
 

@@ -344,7 +344,9 @@ class AsyncUpdates(RoundPolicy):
         t1 = time.perf_counter()
         if self.settings.device_accuracy == "at_records" and self.evaluator.devices_report(self.server):
             self.judge_idle(self.version, self.tickets)  # busy devices keep their last value
-        accuracy = self.evaluate(self.version)
+        # a report counts as current when made in this record's window (after its first update):
+        # each device reports at its own update, so "before this very update" would list nearly all
+        accuracy = self.evaluate(self.version, current_from=w.updates_from + 1)
         eval_s = time.perf_counter() - t1
         accepted = w.tally.accepted
         by_profile: Counter[str] = Counter()

@@ -8,8 +8,10 @@
 * A method without global models (FedHe, CHFL, local-only) is judged by each device's own model:
   devices measure it after training in an evaluation round and report it with their upload
   (``meta.eval_accuracy``); a device's latest report stands for it, and a record names the devices
-  whose latest report is from an earlier round or update than the one judged (``reported_earlier``:
-  offline, busy or not asked then), so a dead device's old accuracy is not read as current.
+  whose latest report is from an earlier round than the one judged, or (asynchronous runs, where
+  every device reports at its own update) from before the record's window of updates
+  (``reported_earlier``: offline, busy or not asked then), so a dead device's old accuracy is
+  not read as current.
 * Devices that hold no classifier (FedMHO's generator clients) are not judged.
 
 ``overall`` is the mean over the judged devices (over the global models when no device is).
@@ -68,9 +70,11 @@ class Evaluator:
         model.load_state_dict(state)
         return evaluate_accuracy(model, self.x_test, self.y_test, self.batch_size)
 
-    def evaluate(self, server, answers: dict[str, float], at: int | None = None) -> dict[str, Any] | None:
+    def evaluate(self, server, answers: dict[str, float], at: int | None = None,
+                 current_from: int | None = None) -> dict[str, Any] | None:
         """The accuracy record of round (or server update) ``at`` (``answers``: what devices said to
-        evaluate requests)."""
+        evaluate requests). A device report from before ``current_from`` (default ``at``) is listed
+        in ``reported_earlier``."""
         globals_ = server.global_models()
         if self.held_by_devices and globals_ and self.has_test_set:
             # the server's own test set judges the global models; devices' answers on their own data beside it
@@ -85,7 +89,8 @@ class Evaluator:
         if record is not None:
             record["judged_on"] = self._source(bool(globals_), answers)
             if not globals_ and at is not None:
-                earlier = {d: self.reported_at[d] for d in record["per_client"] if self.reported_at.get(d, at) < at}
+                since = at if current_from is None else min(current_from, at)
+                earlier = {d: self.reported_at[d] for d in record["per_client"] if self.reported_at.get(d, at) < since}
                 if earlier:
                     record["reported_earlier"] = earlier
             references = {name: score for name, (arch, state) in server.reference_models().items()

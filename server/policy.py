@@ -100,7 +100,7 @@ class RoundPolicy(ABC):
         return missing
 
     # --- judging the run ---------------------------------------------------------------------------
-    def evaluate(self, r: int) -> dict[str, Any] | None:
+    def evaluate(self, r: int, current_from: int | None = None) -> dict[str, Any] | None:
         """Accuracy after round (or update) ``r``: global models judged here where the server
         can; devices asked to judge the global model on their own data where it cannot (their own
         test split or feature space); otherwise the accuracies devices reported with their uploads."""
@@ -109,7 +109,7 @@ class RoundPolicy(ABC):
             ready = set(self.endpoint.enrolment.ready())
             targets = [t for t in targets if t in ready]
         answers = self.ask_devices(r, targets) if targets else {}
-        return self.evaluator.evaluate(self.server, answers, r)
+        return self.evaluator.evaluate(self.server, answers, r, current_from)
 
     def judge_idle(self, r: int, busy: set[str] | dict[str, Any]) -> None:
         """Ask every online judged device not in ``busy`` for the accuracy of the model it holds

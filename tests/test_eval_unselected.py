@@ -148,3 +148,28 @@ def test_a_record_names_the_devices_whose_accuracy_is_from_an_earlier_round(tmp_
     console = Console(width=400, record=True)
     console.print(accuracy_table(run))
     assert f"{len(earlier)} of {len(final['accuracy']['per_client'])} devices' accuracies are from earlier rounds" in console.export_text()
+
+
+def test_an_asynchronous_record_lists_only_devices_silent_through_its_window(tmp_path):
+    """Each device of an asynchronous run reports at its own server update, so "a report older
+    than the update judged" held for nearly every device and the list said nothing. A record lists
+    the devices that reported nothing in its window of updates; those that did are current."""
+    from rich.console import Console
+
+    from edgefl.report import accuracy_table
+    from tests.test_async import async_config
+
+    cfg = async_config("fedhe", rounds=12, concurrency=3)
+    run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
+    sim = Simulation(cfg, run, show_progress=False)
+    sim.run()
+    records = [r for r in sim.history if r["accuracy"]]
+    assert records
+    for record in records:
+        listed = set(record["accuracy"].get("reported_earlier", {}))
+        assert not listed & set(record["reports_per_client"]), record  # reported in the window: current
+        assert all(at <= record["round"] - record["updates"] for at in record["accuracy"].get("reported_earlier", {}).values())
+    console = Console(width=400, record=True)
+    console.print(accuracy_table(run))
+    if records[-1]["accuracy"].get("reported_earlier"):
+        assert "the first of the last record's window" in console.export_text()
