@@ -58,6 +58,7 @@ from edgefl.tensorchecks import bounded_problem, nonfinite_problem
 FILTER_STATE = "filter."  # prefix of the filters' tensors in a device's saved state
 MAX_SEEN_IDS = 10_000  # signed server message ids remembered to refuse replays
 REFUSALS_LOGGED = 20  # refusals a minute logged one by one; the rest are counted
+SETTLE_S = 0.3  # the quiet a device waits for after a download before training it (see run())
 
 log = logging.getLogger("edgefl.device")
 
@@ -459,6 +460,9 @@ class DeviceLoop:
                 while item is not None:
                     self.handle(item)
                     item = self.transport.receive(0)
+                    if item is None and self._waiting is not None:
+                        # a burst of queued deliveries (a reconnect) may still be on the wire: a short quiet first
+                        item = self.transport.receive(SETTLE_S)
                 if not self.finished:  # every delivery at hand is read: the newest download is trained
                     self.train_waiting()
                 self.tick()
