@@ -59,6 +59,7 @@ FILTER_STATE = "filter."  # prefix of the filters' tensors in a device's saved s
 MAX_SEEN_IDS = 10_000  # signed server message ids remembered to refuse replays
 REFUSALS_LOGGED = 20  # refusals a minute logged one by one; the rest are counted
 SETTLE_S = 0.3  # the quiet a device waits for after a download before training it (see run())
+DRAIN_MAX_S = 2.0  # the longest a device reads on before it trains what it holds and resends (see run())
 
 log = logging.getLogger("edgefl.device")
 
@@ -123,6 +124,7 @@ class DeviceLoop:
         self._waiting: tuple[Envelope, Message | None] | None = None
         self.skipped: list[int] = []  # rounds whose download a newer one overtook (not trained)
         self._refusal_window = [-math.inf, 0]  # [start of the minute, refusals in it]
+        self._nack_window = [-math.inf, 0]  # the same for the server's refusals that answer no upload of ours
 
     def restore(self) -> int | None:
         """Load the saved state, when there is one (returns its round; None: none). It is applied
@@ -180,14 +182,19 @@ class DeviceLoop:
         """Whether a refusal gets its own log line: the first REFUSALS_LOGGED in each minute do,
         the rest are counted in one line when the minute is over (a flood of forgeries must not
         fill a Pi's log or block on a slow one)."""
+        return self._budget(self._refusal_window, f"messages refused ({self.refused} refused in all)")
+
+    def _budget(self, window: list, what: str) -> bool:
+        """The first REFUSALS_LOGGED lines of each minute in ``window`` are logged; the rest are
+        counted in one line when the minute is over."""
         now = self.transport.now()
-        if now - self._refusal_window[0] >= 60.0:
-            quiet = self._refusal_window[1] - REFUSALS_LOGGED
+        if now - window[0] >= 60.0:
+            quiet = window[1] - REFUSALS_LOGGED
             if quiet > 0:
-                log.warning("%s: %d more messages refused in the last minute (%d refused in all)", self.device, quiet, self.refused)
-            self._refusal_window = [now, 0]
-        self._refusal_window[1] += 1
-        return self._refusal_window[1] <= REFUSALS_LOGGED
+                log.warning("%s: %d more %s in the last minute, not shown one by one", self.device, quiet, what)
+            window[0], window[1] = now, 0
+        window[1] += 1
+        return window[1] <= REFUSALS_LOGGED
 
     def _verify(self, item: Delivery) -> None:
         """With the server's key: the message must be signed by it, for this device (or everyone,
@@ -235,8 +242,9 @@ class DeviceLoop:
             self._stage(env)
         elif env.type in ("ack", "nack") and env.reply_to:
             self._answered(env)
-        elif env.type == "nack":  # the server could not tell which message it refuses
-            log.warning("%s: the server refused a message: %s", self.device, str(env.extra.get("reason"))[:300])
+        elif env.type == "nack":  # the server could not tell which message it refuses (often not ours: a forgery on our topic)
+            if self._budget(self._nack_window, "refusals from the server"):
+                log.warning("%s: the server refused a message: %s", self.device, printable(str(env.extra.get("reason")), 300))
 
     def _announcement(self, env: Envelope) -> None:
         run = self._run_of(env)
@@ -457,8 +465,11 @@ class DeviceLoop:
         try:
             while not self.finished:
                 item = self.transport.receive(0.2)
+                reading_since = self.transport.now()
                 while item is not None:
                     self.handle(item)
+                    if self.transport.now() - reading_since >= DRAIN_MAX_S:
+                        break  # a stream that never pauses (a flood) must not keep the device from training or resending
                     item = self.transport.receive(0)
                     if item is None and self._waiting is not None:
                         # a burst of queued deliveries (a reconnect) may still be on the wire: a short quiet first

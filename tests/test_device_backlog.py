@@ -7,6 +7,8 @@ late too. Now :meth:`DeviceLoop.run` reads every delivery at hand first and trai
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 
 from edgefl.build import build_run
@@ -71,3 +73,32 @@ def test_an_older_download_arriving_after_a_newer_one_is_skipped():
 
 def test_a_download_alone_is_trained():
     assert _served([1]) == ([1], [])
+
+
+class Flooded(Queued):
+    """A wire that never pauses after its first deliveries: garbage forever (a flood)."""
+
+    def receive(self, timeout_s: float):
+        return self.waiting.popleft() if self.waiting else Delivery("message", "server", b"not an envelope")
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
+def test_a_download_is_trained_under_a_flood_that_never_pauses():
+    """Reading every delivery at hand first must not mean reading forever: under a stream that
+    never pauses the device trains what it holds after a bounded read (and its run can time out)."""
+    from edgefl.sim import Simulation
+
+    raw = method_config("fedavg", rounds=1)
+    raw["network"] = {"federation": FED}
+    cfg = validate_config(raw)
+    parts = build_run(cfg)
+    download = _download(Simulation(cfg, show_progress=False).server.downlink(1, "client-0"))
+    loop = DeviceLoop(parts.client("client-0"), Flooded([download]), FED, cfg.network)
+    runner = threading.Thread(target=loop.run, kwargs={"timeout_s": 8.0}, daemon=True)
+    runner.start()
+    runner.join(60)
+    assert not runner.is_alive(), "the device kept reading the flood"
+    assert any(unpack(d, 1 << 30).type == "upload" for d in loop.transport.sent)
+    assert loop.refused > 100  # the flood was read, and refused

@@ -245,3 +245,23 @@ def test_a_chunked_signed_download_is_taken_when_every_chunk_verifies():
     for p in pieces:
         loop.handle(Delivery("message", "server", p))
     assert len(_uploads(loop)) == 1 and _finite(loop)
+
+
+def test_a_flood_of_server_refusals_on_a_devices_topic_is_logged_within_budget(fedhe_device, caplog):
+    """The server answers every forged upload on a device's topic with a nack the device cannot
+    match: the device logged each one, and a device whose stderr was a pipe nobody read blocked on
+    a full pipe (the soak caught it). They are logged as refusals are: a few a minute, then a count."""
+    import logging
+
+    from edgefl.device import REFUSALS_LOGGED
+
+    _, loop, _ = fedhe_device
+    nack = Delivery("message", "server", pack(Envelope("nack", FED, 1, "server", model_version=1, extra={"reason": "bad magic"})))
+    with caplog.at_level(logging.WARNING, logger="edgefl.device"):
+        for _ in range(500):
+            loop.handle(nack)
+        shown = [r for r in caplog.records if "the server refused a message" in r.getMessage()]
+        assert len(shown) == REFUSALS_LOGGED
+        loop.transport.clock += 61
+        loop.handle(nack)
+    assert any(f"{500 - REFUSALS_LOGGED} more refusals from the server" in r.getMessage() for r in caplog.records)
