@@ -346,9 +346,7 @@ class RunSession:
             self.finish(interrupted=True)
             raise
         except Exception as exc:  # a bug, a full disk: the rounds played are still worth their files
-            if isinstance(exc, EdgeflError):  # a condition the error itself explains (the caller prints it): no traceback
-                log.error("the run stopped: %s", exc)
-            else:
+            if not isinstance(exc, EdgeflError):  # an EdgeflError explains itself and the caller prints it (once)
                 log.exception("the run stopped: %s", type(exc).__name__)
             try:
                 self.finish(interrupted=True)
