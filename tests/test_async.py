@@ -342,3 +342,15 @@ def test_an_asynchronous_run_s_tables_count_per_record_and_per_report(tmp_path):
     metrics = run.metrics()
     up = sum(m["bytes_up"] for m in metrics) / sum(m["reports"] for m in metrics)
     assert human_bytes(up) in text
+
+
+def test_an_asynchronous_simulation_without_device_classes_says_its_clock_stays_at_zero(caplog):
+    """Without profiles every download takes no virtual time: records said "t=0.0s" and nothing
+    explained it (an outside trial read it as a stuck clock)."""
+    import logging
+
+    from edgefl.sim import Simulation
+
+    with caplog.at_level(logging.WARNING, logger="edgefl.sim"):
+        Simulation(async_config("fedhe", rounds=2), show_progress=False).run()
+    assert any("virtual clock stays at 0" in r.getMessage() for r in caplog.records)

@@ -231,6 +231,11 @@ class Simulation:
         first = self._first_round
         if not self._resumed:
             self.session.write_start()
+        if cfg.mode == "async" and not any(slot.profile is not None for slot in self.slot_of.values()):
+            # no device class: every download takes no virtual time, so "t=0.0s" on every record is no measurement
+            log.warning("no fleet group names a device profile: an asynchronous simulation's virtual clock stays at 0 and "
+                        "devices report in turn as the server answers; name profiles in [fleet] groups (profile = ...) "
+                        "to give devices their speeds")
         self._join()
         progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
