@@ -201,23 +201,21 @@ def test_a_device_with_its_own_data_killed_mid_round_gets_that_round_again_when_
     assert "client-0" in history[1]["reported"]
 
 
-def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(tmp_path):
-    """The broker closes the older connection of a client id another client takes; reconnecting would
-    close the newer in turn, forever. The older device (it sees the newer's presence) stops with the
-    reason, the newer keeps its connection."""
+def _the_second_stops_the_first(tmp_path, federation: str, connect, match: str, hint: str) -> None:
+    """Two links with one client id (``connect(broker, topics)``): the older stops with the reason
+    (an EdgeflError matching ``match``, its hint naming ``hint``); the newer keeps its connection."""
     from edgefl.errors import EdgeflError
-    from edgefl.transport.mqtt import MqttDeviceTransport
 
-    topics = Topics("twins")
+    topics = Topics(federation)
     with mosquitto(tmp_path) as broker:
-        first = MqttDeviceTransport.connect(broker, topics, "client-0", max_packet_bytes=1 << 20, keepalive_s=30)
-        second = MqttDeviceTransport.connect(broker, topics, "client-0", max_packet_bytes=1 << 20, keepalive_s=30)
+        first = connect(broker, topics)
+        second = connect(broker, topics)
         try:
-            with pytest.raises(EdgeflError, match="two devices run with one --device-id") as exc:
+            with pytest.raises(EdgeflError, match=match) as exc:
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline:
                     first.receive(0.2)
-            assert "own --device-id" in exc.value.hint
+            assert hint in exc.value.hint
             assert second.link.connected.wait(10)  # the first's one reconnect closed it once; it came back
             connects = second.link.connect_count
             time.sleep(4)  # longer than the reconnect back-off: nothing closes the second any more
@@ -228,31 +226,28 @@ def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(
             second.close()
 
 
+def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(tmp_path):
+    """The broker closes the older connection of a client id another client takes; reconnecting would
+    close the newer in turn, forever. The older device (it sees the newer's presence) stops with the
+    reason, the newer keeps its connection."""
+    from edgefl.transport.mqtt import MqttDeviceTransport
+
+    _the_second_stops_the_first(
+        tmp_path, "twins",
+        lambda broker, topics: MqttDeviceTransport.connect(broker, topics, "client-0", max_packet_bytes=1 << 20, keepalive_s=30),
+        "two devices run with one --device-id", "own --device-id")
+
+
 def test_a_second_server_of_a_federation_stops_the_first_instead_of_flapping(tmp_path):
     """Two servers of one federation share the client id ``edgefl-<federation>-server``: before,
     each reconnect closed the other's connection, forever, and both sent their rounds to the same
     devices. The older server (it sees the newer's presence) stops with the reason; the newer goes on."""
-    from edgefl.errors import EdgeflError
     from edgefl.transport.mqtt import MqttServerTransport
 
-    topics = Topics("twin-servers")
-    with mosquitto(tmp_path) as broker:
-        first = MqttServerTransport.connect(broker, topics, max_packet_bytes=1 << 20, keepalive_s=30)
-        second = MqttServerTransport.connect(broker, topics, max_packet_bytes=1 << 20, keepalive_s=30)
-        try:
-            with pytest.raises(EdgeflError, match="two servers cannot share one federation") as exc:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    first.receive(0.2)
-            assert "--resume" in exc.value.hint
-            assert second.link.connected.wait(10)
-            connects = second.link.connect_count
-            time.sleep(4)  # longer than the reconnect back-off: nothing closes the second any more
-            assert second.link.connected.is_set() and second.link.connect_count == connects <= 2
-            assert not first.link.connected.is_set() and not second.link.taken_over.is_set()
-        finally:
-            first.close()
-            second.close()
+    _the_second_stops_the_first(
+        tmp_path, "twin-servers",
+        lambda broker, topics: MqttServerTransport.connect(broker, topics, max_packet_bytes=1 << 20, keepalive_s=30),
+        "two servers cannot share one federation", "--resume")
 
 
 def _drain(transport, seconds: float) -> list[bytes]:

@@ -124,6 +124,8 @@ class Link:
         self.yield_session = yield_session and self.v5 and presence_topic is not None
         self.instance = f"{time.time():.6f}-{secrets.token_hex(4)}"
         self.taken_over = threading.Event()
+        #: raised by :meth:`get` once taken over and nothing is left to read (the transport says who it was)
+        self.taken_over_error: Exception | None = None
         self.client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
             protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
@@ -220,6 +222,8 @@ class Link:
         try:
             return self.inbox.get(timeout=max(timeout_s, 0.0))
         except queue.Empty:
+            if self.taken_over.is_set():
+                raise self.taken_over_error or EdgeflError(f"another process took over the MQTT client id {self.client_id!r}") from None
             return None
 
     def stop(self, offline: bool = True) -> None:

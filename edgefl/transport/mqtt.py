@@ -28,6 +28,11 @@ class MqttServerTransport(ServerTransport):
     def __init__(self, link: Link, topics: Topics) -> None:
         self.link = link
         self.topics = topics
+        link.taken_over_error = EdgeflError(
+            f"another server process, started after this one, connected to the broker as the server of federation "
+            f"{topics.federation!r}: two servers cannot share one federation's devices",
+            hint="stop one of the two, or give each run its own network.federation; this server stops here (its "
+                 "rounds so far are saved: continue them later with edgefl server ... --resume --out RUN_DIR)")
 
     @classmethod
     def connect(cls, broker: str, topics: Topics, *, max_packet_bytes: int, keepalive_s: int, protocol: str = "5",
@@ -48,12 +53,6 @@ class MqttServerTransport(ServerTransport):
     def receive(self, timeout_s: float) -> Delivery | None:
         item = self.link.get(timeout_s)
         if item is None:
-            if self.link.taken_over.is_set():
-                raise EdgeflError(
-                    f"another server process, started after this one, connected to the broker as the server of federation "
-                    f"{self.topics.federation!r}: two servers cannot share one federation's devices",
-                    hint="stop one of the two, or give each run its own network.federation; this server stops here (its "
-                         "rounds so far are saved: continue them later with edgefl server ... --resume --out RUN_DIR)")
             return None
         if item.topic == self.topics.presence("server"):
             return None  # our own retained presence
@@ -77,6 +76,11 @@ class MqttDeviceTransport(DeviceTransport):
         self.link = link
         self.topics = topics
         self.device = device
+        link.taken_over_error = EdgeflError(
+            f"another process, started after this one, connected to the broker as device {device!r} of federation "
+            f"{topics.federation!r}: two devices run with one --device-id",
+            hint="give every device its own --device-id; this one stops so that the two do not keep closing each "
+                 "other's connection")
 
     @staticmethod
     def device_link(address: BrokerAddress, topics: Topics, device: str, *, max_packet_bytes: int, keepalive_s: int,
@@ -104,12 +108,6 @@ class MqttDeviceTransport(DeviceTransport):
     def receive(self, timeout_s: float) -> Delivery | None:
         item = self.link.get(timeout_s)
         if item is None:
-            if self.link.taken_over.is_set():
-                raise EdgeflError(
-                    f"another process, started after this one, connected to the broker as device {self.device!r} of federation "
-                    f"{self.topics.federation!r}: two devices run with one --device-id",
-                    hint="give every device its own --device-id; this one stops so that the two do not keep closing each "
-                         "other's connection")
             return None
         channel = "announcement" if item.topic == self.topics.rounds else "message"
         return Delivery(channel, "server", item.payload, where=item.topic)
