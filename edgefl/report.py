@@ -362,10 +362,9 @@ def accuracy_table(run: RunDir) -> Table:
     if earlier:  # devices judged by their own latest report: say whose is old (a device that died keeps its last one)
         whose = few([f"{console_text(str(d), 64)} ({unit} {r})" for d, r in earlier.items()], 5)
         last = evaluated[-1]
-        first = last["round"] - int(last.get("updates") or 0) + 1  # the first update of the record's window
-        when = (f"before update {min(first, last['round'])}, the first of the last record's window (offline, busy or not "
-                f"asked since)" if unit == "update"
-                else f"earlier rounds (offline, busy or not asked when round {last['round']} was judged)")
+        since = final.get("reported_earlier_than")  # an asynchronous record: the first update of its window
+        when = (f"before update {since}, the first of the last record's window (offline, busy or not asked since)"
+                if since is not None else f"earlier {unit}s (offline, busy or not asked when {unit} {last['round']} was judged)")
         table.caption = f"{len(earlier)} of {judged} devices' accuracies are from {when}: {whose}"
     return table
 

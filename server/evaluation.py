@@ -93,6 +93,8 @@ class Evaluator:
                 earlier = {d: self.reported_at[d] for d in record["per_client"] if self.reported_at.get(d, at) < since}
                 if earlier:
                     record["reported_earlier"] = earlier
+                    if since != at:  # an asynchronous record's window: reports before this update are listed
+                        record["reported_earlier_than"] = since
             references = {name: score for name, (arch, state) in server.reference_models().items()
                           if (score := self._judge(server, arch, state)) is not None}
             if references:
