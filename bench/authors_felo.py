@@ -1,7 +1,8 @@
 """Felo and Velo side by side: the authors' public code (ChanYunHin/Felo_Velo, PyTorch) and edgefl's
 ``felo`` and ``velo``, each against its own local-only training, on the same Fashion-MNIST split, the same share of
 clients sampled an iteration (each side draws its own), the same optimiser (but for their learning
-rate drop at half the run), batches and length, on this machine (issue 38, item 3).
+rate drop at half the run, which ``--lr-milestones 0.5`` gives edgefl too), batches and length, on
+this machine (issue 38, item 3).
 
 The two sides train different ResNets: the authors' are their own (a 3x3 stem with max pooling,
 three stages of bottleneck-like blocks whose depth comes from re-applying one shared block, a
@@ -122,10 +123,10 @@ def edgefl_config(args, method: str, personal: bool = False) -> dict:
         "data": {"dataset": "fashion-mnist", "partition": args.partition, "alpha": args.alpha,
                  "test_samples": args.test_samples},
         "train": {"epochs": 1, "max_steps": STEPS, "batch_size": BATCH, "optimizer": "adam", "lr": 1e-3,
-                  "optimizer_state": "kept"},
+                  "optimizer_state": "kept", **({"lr_milestones": args.lr_milestones} if args.lr_milestones else {})},
         "fleet": {"sample_ratio": SAMPLE_RATIO,
                   "groups": [{"model": d, "count": 1 if personal else 2,
-                              "options": {"width": args.width + (1e-6 * (2 * i + k) if personal else 0.0), "stem": "imagenet",
+                              "options": {"width": args.width + (1e-6 * (2 * i + k) if personal else 0.0), "stem": args.stem,
                                           "feature_dim": args.feature_dim}}
                              for i, d in enumerate(RESNETS) for k in range(2 if personal else 1)]},
         "eval": {"every": max(1, args.iterations // args.curve)},
@@ -402,6 +403,8 @@ def checkout_problem(authors: Path) -> str | None:
 
 
 SAME_RUN = ("iterations", "seed", "partition", "alpha", "width", "feature_dim", "test_samples", "curve")
+#: settings recorded only when they differ from the default (results saved before they existed stay resumable)
+SAME_RUN_IF_SET = ("stem", "lr_milestones")
 
 
 def earlier_results(path: Path, same: dict[str, str]) -> dict:
@@ -449,6 +452,12 @@ def main() -> None:
     p.add_argument("--curve", type=int, default=5, help="evaluations over the run (the last at its end)")
     p.add_argument("--sides", default="authors,edgefl", help="authors, edgefl or both")
     p.add_argument("--methods", default="felo,local", help="felo, velo, local, comma-separated (velo: their Server_new_VAE)")
+    p.add_argument("--stem", choices=("imagenet", "small"), default="imagenet",
+                   help="edgefl's ResNet stem (small: 3x3 stride 1 without max-pool, nearer their 3x3 stem at 32x32 "
+                        "and several times the compute)")
+    p.add_argument("--lr-milestones", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
+                   help="edgefl's train.lr_milestones, comma-separated (0.5: a ten-fold drop at half the run, as their "
+                        "Fashion-MNIST schedule; default none)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--tag", default="", help="names the result: bench/results/authors_felo-TAG.json")
     p.add_argument("--plot-dir", type=Path, default=None, help="also draw the accuracy curves there")
@@ -503,10 +512,12 @@ def main() -> None:
                 jobs.append((f"edgefl {shown}, personal",
                              lambda m=method, n=shown: run_edgefl(edgefl_config(args, m, personal=True), ds, f"{n}, personal")))
     setting = (f"Fashion-MNIST {args.partition}, {args.iterations} iterations of 2 clients x {STEPS} batches of {BATCH}, "
-               f"seed {args.seed}, width {args.width}")
+               f"seed {args.seed}, width {args.width}" + (f", edgefl's stem {args.stem}" if args.stem != "imagenet" else "")
+               + (f", edgefl's learning rate x 0.1 at {args.lr_milestones} of the run" if args.lr_milestones else ""))
     stem = "authors_felo" + (f"-{args.tag}" if args.tag else "")
     extra = {"authors_checkout_sha256": checkout_digests(args.authors_dir.resolve())} if "authors" in sides else {}
     same = {k: str(getattr(args, k)) for k in SAME_RUN}
+    same.update({k: str(getattr(args, k)) for k in SAME_RUN_IF_SET if getattr(args, k) != p.get_default(k)})
     earlier = earlier_results(RESULTS / f"{stem}.json", same) if args.resume else {}
     results.update({label: r for label, r in earlier.items() if label in dict(jobs)})  # not run again
     if earlier:

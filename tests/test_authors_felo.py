@@ -37,7 +37,7 @@ def harness():
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(seed=0, iterations=200, threads=1, partition="iid", alpha=0.5, test_samples=2000, width=0.25,
-                feature_dim=128, curve=5)
+                feature_dim=128, curve=5, stem="imagenet", lr_milestones=[])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -88,6 +88,14 @@ def test_every_edgefl_config_the_script_builds_is_valid(harness, method, persona
     if method == "velo":  # their CVAE's schedule: 10 epochs every 1 % of the run, one feature a class
         assert (cfg.method.retrain_every, cfg.method.cvae_epochs, cfg.method.synthetic_per_class) == (2, 10, 1)
         assert cfg.method.latent_dim == cfg.method.hidden_dim == cfg.method.feature_dim == 128
+
+
+def test_their_learning_rate_drop_and_a_nearer_stem_reach_edgefl_only_when_asked(harness):
+    plain = validate_config(harness.edgefl_config(_args(), "local"), "authors_felo")
+    assert plain.train.lr_milestones == [] and {g.options["stem"] for g in plain.fleet.groups} == {"imagenet"}
+    theirs = validate_config(harness.edgefl_config(_args(stem="small", lr_milestones=[0.5]), "local"), "authors_felo")
+    assert theirs.train.lr_at(100, 200) == 1e-3 and theirs.train.lr_at(101, 200) == pytest.approx(1e-4)
+    assert {g.options["stem"] for g in theirs.fleet.groups} == {"small"}
 
 
 def test_the_stand_ins_leave_sys_modules_as_they_found_it(harness):

@@ -27,7 +27,8 @@ FEDHE_CNNS = [{"model": "fedhe-cnn-0", "count": 3, "options": {"width": 0.25}}, 
               {"model": "fedhe-cnn-5", "count": 2, "options": {"width": 0.25}}]
 
 
-def _run(method: str, groups: list[dict], batch: str, optimizer: str = "sgd", rounds: int = 3, **options):
+def _run(method: str, groups: list[dict], batch: str, optimizer: str = "sgd", rounds: int = 3, train: dict | None = None,
+         **options):
     raw = digits_config(method, rounds=rounds)
     # Fashion-MNIST, not digits: ResNets shrink 8x8 digits to a few pixels, where batch norm divides
     # by near-zero variances and a 1e-7 nudge of the weights (even between two one-at-a-time runs)
@@ -37,6 +38,7 @@ def _run(method: str, groups: list[dict], batch: str, optimizer: str = "sgd", ro
     raw["fleet"] = {"groups": [{**g, "options": dict(g["options"])} for g in groups]}
     raw["method"].update(options)
     raw["train"]["optimizer"] = optimizer
+    raw["train"].update(train or {})
     raw["simulation"] = {"batch_clients": batch}
     if "feature_dim" in options:
         for g in raw["fleet"]["groups"]:
@@ -48,9 +50,9 @@ def _run(method: str, groups: list[dict], batch: str, optimizer: str = "sgd", ro
 
 
 def _same_numbers(method: str, groups: list[dict], optimizer: str = "sgd", state_tol: float = 1e-2, loss_tol: float = 1e-3,
-                  acc_tol: float = 0.01, rounds: int = 3, **options) -> Simulation:
-    alone, alone_models = _run(method, groups, "off", optimizer, rounds, **options)
-    together, together_models = _run(method, groups, "on", optimizer, rounds, **options)
+                  acc_tol: float = 0.01, rounds: int = 3, train: dict | None = None, **options) -> Simulation:
+    alone, alone_models = _run(method, groups, "off", optimizer, rounds, train, **options)
+    together, together_models = _run(method, groups, "on", optimizer, rounds, train, **options)
     assert together.batcher is not None and together.batcher.batched > 0 and together.batcher.alone == 0
     for one, other in zip(alone.history, together.history):
         assert one["train_loss"].keys() == other["train_loss"].keys()
@@ -73,6 +75,14 @@ def test_fedavg_resnets_with_adam_match_too():
     # Adam divides by the gradient's running size, so float noise in tiny gradients moves weights
     # by up to lr per step either way: one round, with a looser tolerance
     _same_numbers("fedavg", RESNETS, optimizer="adam", state_tol=2e-2, loss_tol=5e-3, acc_tol=0.02, rounds=1)
+
+
+def test_a_learning_rate_schedule_batched_matches_one_at_a_time():
+    # rounds 3 and 4 of 4 train at a tenth of the rate: the batched step takes the round's rate too
+    scheduled = _same_numbers("fedavg", RESNETS, rounds=4, train={"lr_milestones": [0.5]})
+    plain, _ = _run("fedavg", RESNETS, "on", rounds=4)
+    last, last_plain = scheduled.history[-1]["train_loss"], plain.history[-1]["train_loss"]
+    assert all(abs(last[c] - last_plain[c]) > 1e-3 * last_plain[c] for c in last)  # beyond the tolerance above
 
 
 def test_fedhe_cnns_with_dropout_batched_match_one_at_a_time():

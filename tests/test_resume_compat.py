@@ -29,7 +29,8 @@ KNOWN = {
     "fleet.groups[].profile", "fleet.groups[].train.batch_size", "fleet.groups[].train.dp_sgd.delta",
     "fleet.groups[].train.dp_sgd.max_grad_norm", "fleet.groups[].train.dp_sgd.noise_multiplier",
     "fleet.groups[].train.dp_sgd.poisson", "fleet.groups[].train.dp_sgd.target_epsilon",
-    "fleet.groups[].train.epochs", "fleet.groups[].train.lr", "fleet.groups[].train.max_steps",
+    "fleet.groups[].train.epochs", "fleet.groups[].train.lr", "fleet.groups[].train.lr_gamma",
+    "fleet.groups[].train.lr_milestones", "fleet.groups[].train.max_steps",
     "fleet.groups[].train.momentum", "fleet.groups[].train.optimizer", "fleet.groups[].train.weight_decay",
     "fleet.groups[].view.count", "fleet.groups[].view.fraction", "fleet.groups[].view.kind",
     "fleet.groups[].view.size", "fleet.over_select", "fleet.per_round", "fleet.sample_ratio", "method", "mode",
@@ -41,6 +42,8 @@ KNOWN = {
     "simulation.ray_cpus", "simulation.ray_gpus", "simulation.workers", "threads", "track", "tracking_uri",
     "train.batch_size", "train.dp_sgd.delta", "train.dp_sgd.max_grad_norm", "train.dp_sgd.noise_multiplier",
     "train.dp_sgd.poisson", "train.dp_sgd.target_epsilon", "train.epochs", "train.lr", "train.max_steps",
+    # written only when a schedule is set (the empty default writes neither): older digests hold
+    "train.lr_milestones", "train.lr_gamma",
     "train.momentum", "train.optimizer", "train.optimizer_state", "train.weight_decay",
 }
 

@@ -166,18 +166,26 @@ class ClientHalf(ABC):
         the metrics and the clock. ``hooks`` go to :func:`~edgefl.algorithms.training.train_local`
         (``extras``, ``after_backward``, ``after_step``)."""
         gen = self.round_generator(round_no) if generator is None else generator
+        train = self.round_train(round_no)
         dp = self.dp_sgd
         if dp is not None:
             from edgefl.privacy.dp_sgd import noise_generator
 
             hooks["dp"] = DPNoise(dp.noise_multiplier, noise_generator(self.setup.seed, self.client_id, round_no, self.device))
         if self.setup.train.optimizer_state == "kept" and dp is None:
-            hooks["optimizer"] = self.kept_optimizer()
-        stats = train_local(self.model, self.setup.x, self.setup.y, self.setup.train, gen, loss_fn, **hooks)
+            hooks["optimizer"] = optimizer = self.kept_optimizer()
+            for group in optimizer.param_groups:  # the kept moments carry on; the rate follows train.lr_milestones
+                group["lr"] = train.lr
+        stats = train_local(self.model, self.setup.x, self.setup.y, train, gen, loss_fn, **hooks)
         if dp is not None:
             self.dp_sgd_steps += stats.steps
         self.record(stats)
         return stats
+
+    def round_train(self, round_no: int) -> TrainSettings:
+        """The training settings of ``round_no``: the device's, with the learning rate the run's
+        schedule gives that round (``train.lr_milestones``)."""
+        return self.setup.train.for_round(round_no, self.setup.total_rounds)
 
     def base_meta(self, round_no: int) -> dict:
         meta = {"num_samples": self.num_samples, "arch": self.setup.arch, "train_loss": self.last_train_loss}

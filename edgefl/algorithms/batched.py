@@ -173,12 +173,13 @@ class _SGD:
             params[k][rows] = p - cfg.lr * g
 
 
-def train_together(clients: list[Trainee], plans: list[BatchPlan]) -> list[Message]:
+def train_together(clients: list[Trainee], plans: list[BatchPlan], train: TrainSettings | None = None) -> list[Message]:
     """Train ``clients`` (one architecture, one method, one training setting; their plans share a
-    key) as one batched computation; returns their uploads in order. Raises NotBatchable before
-    touching any client when the model cannot be batched."""
+    key) as one batched computation; returns their uploads in order. ``train``: the round's
+    settings (the learning rate its schedule gives; default the first client's). Raises
+    NotBatchable before touching any client when the model cannot be batched."""
     first = clients[0]
-    cfg = first.setup.train
+    cfg = train or first.setup.train
     base = copy.deepcopy(first.model)
     dropouts = _check_structure(base)
     base.train()

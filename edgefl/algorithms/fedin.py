@@ -200,7 +200,7 @@ class FedINClient(ClientHalf):
                     p.grad = z[offset : offset + n].view_as(p).clone()
                     offset += n
         elif s_in is not None:
-            in_opt = make_optimizer(inter, self.setup.train)
+            in_opt = make_optimizer(inter, self.round_train(round_no))
 
             def after_step() -> None:  # "w/o Opt": a separate IN step after the local one
                 in_opt.zero_grad(set_to_none=True)

@@ -60,7 +60,8 @@ class FitBatcher:
                 self._once(f"{type(client).__name__} with these options has no batched form")
                 continue
             shapes = tuple((name, tuple(t.shape)) for name, t in sorted(plan.consts.items()))
-            key = (type(client), client.setup.arch, describe(client.model), client.setup.train.model_dump_json(),
+            # the round's settings: clients train together only at the same learning rate (train.lr_milestones)
+            key = (type(client), client.setup.arch, describe(client.model), client.round_train(env.round).model_dump_json(),
                    json.dumps(plan.key, default=str), shapes, str(client.device))
             groups.setdefault(key, []).append((k, plan))
         for members in groups.values():
@@ -68,7 +69,8 @@ class FitBatcher:
                 continue
             clients = [pending[k][0].client for k, _ in members]
             try:
-                uploads = train_together(clients, [plan for _, plan in members])
+                uploads = train_together(clients, [plan for _, plan in members],
+                                         clients[0].round_train(pending[members[0][0]][1].round))
             except NotBatchable as exc:
                 self._once(f"{clients[0].setup.arch}: {exc}")
                 continue

@@ -1,0 +1,75 @@
+"""train.lr_milestones: the learning rate drops by lr_gamma at fractions of the run, as torch's
+MultiStepLR over rounds (the Felo/Velo authors' code drops it ten-fold at half the run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgefl.config import TrainSettings, validate_config
+from edgefl.errors import ConfigError
+from edgefl.sim.engine import Simulation
+from tests.conftest import digits_config
+
+
+@pytest.mark.parametrize(("milestones", "total"), [([0.5], 200), ([0.4, 0.7], 50), ([0.3, 0.31], 7), ([0.99], 3)])
+def test_each_round_trains_with_the_rate_multisteplr_gives_after_the_rounds_before_it(milestones, total):
+    settings = TrainSettings(lr=0.01, lr_milestones=milestones, lr_gamma=0.5)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
+    torch_schedule = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[int(m * total) for m in milestones], gamma=0.5)
+    for round_no in range(1, total + 1):
+        assert settings.lr_at(round_no, total) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12), round_no
+        opt.step()
+        torch_schedule.step()
+
+
+def test_no_schedule_is_written_nowhere_so_tasks_and_saved_runs_stay_as_they_were():
+    assert "lr_milestones" not in TrainSettings().model_dump() and "lr_gamma" not in TrainSettings().model_dump()
+    assert TrainSettings().for_round(5, 10) == TrainSettings()
+    scheduled = TrainSettings(lr_milestones=[0.5], lr_gamma=0.2).model_dump()
+    assert scheduled["lr_milestones"] == [0.5] and scheduled["lr_gamma"] == 0.2
+    assert TrainSettings.model_validate(scheduled) == TrainSettings(lr_milestones=[0.5], lr_gamma=0.2)
+
+
+@pytest.mark.parametrize(("milestones", "said"), [
+    ([0.6, 0.3], "increasing order"), ([0.5, 0.5], "increasing order"), ([1.0], "below 1"), ([0], "above 0"),
+    ([float("nan")], "fraction of the run"), ([0.01 * k for k in range(1, 18)], "at most 16"),
+])
+def test_a_schedule_that_means_nothing_is_refused_with_what_to_write(milestones, said):
+    raw = digits_config("fedavg")
+    raw["train"]["lr_milestones"] = milestones
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    assert said in str(err.value)
+
+
+def _losses(milestones: list[float] | None, optimizer_state: str = "per_round", group_override: dict | None = None):
+    raw = digits_config("fedavg", rounds=4)
+    raw["train"]["optimizer_state"] = optimizer_state
+    if milestones is not None:
+        raw["train"]["lr_milestones"] = milestones
+    if group_override is not None:
+        raw["fleet"]["groups"][1]["train"] = group_override
+    sim = Simulation(validate_config(raw), show_progress=False)
+    sim.run()
+    return sim, [record["train_loss"] for record in sim.history]
+
+
+@pytest.mark.parametrize("optimizer_state", ["per_round", "kept"])
+def test_the_rounds_before_a_milestone_are_untouched_and_the_ones_after_it_train_slower(optimizer_state):
+    _, plain = _losses(None, optimizer_state)
+    sim, dropped = _losses([0.5], optimizer_state)
+    assert dropped[:2] == plain[:2]  # rounds 1 and 2 of 4 train at train.lr
+    assert all(dropped[r] != plain[r] for r in (2, 3))
+    if optimizer_state == "kept":  # the device's one optimizer carries its moments on at the dropped rate
+        for client in sim.clients.values():
+            assert client.kept_optimizer().param_groups[0]["lr"] == pytest.approx(0.003 * 0.1)
+
+
+def test_a_group_keeps_its_own_schedule():
+    sim, _ = _losses(None, group_override={"lr_milestones": [0.25], "lr_gamma": 0.5})
+    rates = {cid: client.round_train(4).lr for cid, client in sim.clients.items()}
+    groups = {cid: client.setup.arch.split("(")[0] for cid, client in sim.clients.items()}
+    assert all(rates[c] == pytest.approx(0.003 * 0.5) for c in rates if groups[c] == "mlp")
+    assert all(rates[c] == 0.003 for c in rates if groups[c] != "mlp")
+    assert set(groups.values()) == {"mlp", "fedhe-cnn-0"}
