@@ -73,3 +73,23 @@ def test_a_group_keeps_its_own_schedule():
     assert all(rates[c] == pytest.approx(0.003 * 0.5) for c in rates if groups[c] == "mlp")
     assert all(rates[c] == 0.003 for c in rates if groups[c] != "mlp")
     assert set(groups.values()) == {"mlp", "fedhe-cnn-0"}
+
+
+def test_a_device_takes_the_schedule_from_its_task_and_a_plain_task_is_the_one_earlier_devices_know():
+    from edgefl.build import build_run
+    from edgefl.server.enrolment import task_for
+    from edgefl.task import parse_task
+
+    raw = digits_config("fedavg", rounds=10)
+    raw["train"].update(lr_milestones=[0.3, 0.8], lr_gamma=0.5)
+    cfg = validate_config(raw)
+    parts = build_run(cfg)
+    info = task_for(cfg, parts, parts.slots[0], "run-1", "fed").to_info()
+    assert info["train"]["lr_milestones"] == [0.3, 0.8] and info["train"]["lr_gamma"] == 0.5
+    task = parse_task(info)
+    assert [task.train.lr_at(r, task.rounds) for r in (3, 4, 8, 9)] == pytest.approx([0.003, 0.0015, 0.0015, 0.00075])
+    plain = validate_config(digits_config("fedavg", rounds=10))
+    plain_info = task_for(plain, parts, parts.slots[0], "run-1", "fed").to_info()
+    assert not {"lr_milestones", "lr_gamma"} & set(plain_info["train"])
+    with pytest.raises(Exception, match="increasing order"):  # a hostile task is refused with the reason
+        parse_task({**info, "train": {**info["train"], "lr_milestones": [0.9, 0.1]}})
