@@ -116,8 +116,11 @@ class TrainSettings(Strict):
         [], max_length=MAX_LR_MILESTONES,
         description="fractions of the run (rounds; server updates with mode = \"async\") after which the learning rate is multiplied by lr_gamma, as torch's "
                     "MultiStepLR over rounds: [0.5] drops it at half the run, as the Felo/Velo authors' code does on "
-                    "Fashion-MNIST ([0.4, 0.7] on CIFAR-10); empty: one learning rate for the whole run")
-    lr_gamma: float = Field(0.1, gt=0, le=1, description="the learning rate's factor at each of lr_milestones")
+                    "Fashion-MNIST ([0.4, 0.7] on CIFAR-10); each above 0 and below 1, in increasing order, and each "
+                    "after a round of its own (round r trains at lr x lr_gamma ^ the milestones m with r > floor(m x "
+                    "rounds)); each round's record and progress line say the rate (lr); empty: one learning rate for "
+                    "the whole run")
+    lr_gamma: float = Field(0.1, gt=0, le=1, description="the learning rate's factor at each of lr_milestones (set only with them)")
     max_steps: Whole | None = Field(None, ge=1, description="cap on batches per round (None: full epochs)")
     dp_sgd: DPSGDSettings | None = Field(None, description="train with DP-SGD ([train.dp_sgd]; unset: plain training)")
 
@@ -163,7 +166,8 @@ class TrainOverride(Strict):
     lr: float | None = Field(None, gt=0)
     momentum: float | None = Field(None, ge=0, lt=1)
     weight_decay: float | None = Field(None, ge=0)
-    lr_milestones: list[float] | None = Field(None, max_length=MAX_LR_MILESTONES)
+    lr_milestones: list[float] | None = Field(None, max_length=MAX_LR_MILESTONES,
+                                              description="this group's schedule in place of the run's ([] : none)")
     lr_gamma: float | None = Field(None, gt=0, le=1)
     max_steps: Whole | None = Field(None, ge=1)
     dp_sgd: DPSGDSettings | None = Field(None, description="the group's whole DP-SGD table, in place of the run's train.dp_sgd")
@@ -551,6 +555,36 @@ class RunConfig(Strict):
                    else f"{self.fleet.num_clients} devices x sample_ratio {self.fleet.sample_ratio:g}")
             verb = "needs" if self.fleet.per_round is not None else "selects"
             raise ValueError(f"network.quorum = {int(q)} devices, but a round {verb} only {selected} ({how}): no round could close")
+        return self
+
+    @model_validator(mode="after")
+    def _lr_schedule_fits(self) -> RunConfig:
+        # each milestone must fall after a round of this run, and no two after the same one: a drop before
+        # round 1 or two drops at once are what a too-short run silently makes of a schedule
+        unit = "server updates" if self.mode == "async" else "rounds"
+        trains = [("train", self.train)] + [(f"fleet.groups[{i}].train", self.train_for(g))
+                                            for i, g in enumerate(self.fleet.groups) if g.train is not None]
+        scheduled = any(train.lr_milestones for _, train in trains)
+        for where, train in trains:
+            if not train.lr_milestones:
+                if not scheduled and train.lr_gamma != TrainSettings.model_fields["lr_gamma"].default:
+                    raise ValueError(f"{where}.lr_gamma = {train.lr_gamma:g} scales nothing without lr_milestones: add "
+                                     "lr_milestones (e.g. [0.5]) or drop lr_gamma")
+                continue
+            if self.rounds < 2:
+                raise ValueError(f"{where}.lr_milestones: a run of {self.rounds} {unit[:-1]} has no later one to drop the learning "
+                                 "rate in; drop lr_milestones")
+            after = [int(m * self.rounds) for m in train.lr_milestones]
+            for m, r in zip(train.lr_milestones, after):
+                if r < 1:
+                    raise ValueError(f"{where}.lr_milestones: {m:g} of {self.rounds} {unit} falls before the first one, so the "
+                                     f"whole run would train at the dropped rate; give milestones of at least 1/{self.rounds} "
+                                     f"(= {1 / self.rounds:.3g}), or more {unit}")
+            for (m1, r1), (m2, r2) in zip(zip(train.lr_milestones, after), zip(train.lr_milestones[1:], after[1:])):
+                if r1 == r2:
+                    raise ValueError(f"{where}.lr_milestones: {m1:g} and {m2:g} of {self.rounds} {unit} both fall after "
+                                     f"{unit[:-1]} {r1}, so the rate would fall by lr_gamma squared at once; space them at least "
+                                     f"1/{self.rounds} apart, or run more {unit}")
         return self
 
     @model_validator(mode="after")

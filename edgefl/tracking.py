@@ -34,6 +34,11 @@ def round_scalars(record: dict[str, Any]) -> dict[str, float]:
         for arch, value in sorted((acc.get("per_arch") or {}).items()):
             if value is not None:
                 out[f"accuracy/{arch}"] = float(value)
+    rate = record.get("lr")  # train.lr_milestones: one rate, or each architecture's
+    if isinstance(rate, (int, float)):
+        out["train/lr"] = float(rate)
+    elif isinstance(rate, dict):
+        out.update({f"train/lr/{arch}": float(value) for arch, value in sorted(rate.items())})
     losses = [v for v in (record.get("train_loss") or {}).values() if v is not None]
     if losses:
         out["train/loss_mean"] = float(statistics.fmean(losses))

@@ -156,6 +156,9 @@ class RunSession:
         deltas = [t.dp_sgd.delta for t in [cfg.train, *(g.train for g in cfg.fleet.groups)] if t is not None and t.dp_sgd is not None]
         #: devices' DP-SGD epsilons over the run (their uploads say it), at the weakest delta configured
         self.dp_sgd = DPSGDLedger(max(deltas)) if deltas else None
+        #: each architecture's training settings, where a learning-rate schedule is set: its records say the rate
+        trains = {slot.arch: cfg.train_for(slot.group) for slot in parts.slots}
+        self._schedules = trains if any(t.lr_milestones for t in trains.values()) else {}
 
     def _events(self, sink: EventSink | None) -> EventSink:
         def on_event(kind: str, info: dict[str, Any]) -> None:
@@ -283,6 +286,8 @@ class RunSession:
     # --- rounds ---------------------------------------------------------------------------------
     def after_round(self, record: dict[str, Any]) -> None:
         record["elapsed_s"] = round(self._elapsed_before + time.perf_counter() - self._t0, 3)
+        if self._schedules:
+            record["lr"] = self.learning_rates(record["round"])
         if self.dp_sgd is not None:
             self.dp_sgd.note(record)
         if self.run_dir is None:
@@ -293,6 +298,12 @@ class RunSession:
         if self.cfg.mode == "sync" and (self.save_state_each_round or (every and record["round"] % every == 0)):
             # a restarted server (or simulation) resumes where this one stopped
             self.save_checkpoint(record["round"])
+
+    def learning_rates(self, round_no: int) -> float | dict[str, float]:
+        """The learning rate round ``round_no`` trained with (``train.lr_milestones``): one number
+        when every architecture shares it, else each architecture's."""
+        rates = {arch: train.lr_at(round_no, self.cfg.rounds) for arch, train in sorted(self._schedules.items())}
+        return next(iter(rates.values())) if len(set(rates.values())) == 1 else rates
 
     def save_checkpoint(self, round_no: int) -> None:
         """The server's state after ``round_no`` (and, in a simulation, its devices' first). An

@@ -93,3 +93,41 @@ def test_a_device_takes_the_schedule_from_its_task_and_a_plain_task_is_the_one_e
     assert not {"lr_milestones", "lr_gamma"} & set(plain_info["train"])
     with pytest.raises(Exception, match="increasing order"):  # a hostile task is refused with the reason
         parse_task({**info, "train": {**info["train"], "lr_milestones": [0.9, 0.1]}})
+
+
+@pytest.mark.parametrize(("rounds", "train", "said"), [
+    (4, {"lr_milestones": [0.1, 0.5]}, "0.1 of 4 rounds falls before the first one"),
+    (4, {"lr_milestones": [0.5, 0.6]}, "0.5 and 0.6 of 4 rounds both fall after round 2"),
+    (1, {"lr_milestones": [0.5]}, "a run of 1 round has no later one"),
+    (4, {"lr_gamma": 0.5}, "lr_gamma = 0.5 scales nothing without lr_milestones"),
+])
+def test_a_schedule_this_run_is_too_short_for_is_refused_before_it_trains_anything(rounds, train, said):
+    raw = digits_config("fedavg", rounds=rounds)
+    raw["train"].update(train)
+    with pytest.raises(ConfigError, match=said):
+        validate_config(raw)
+
+
+def test_a_groups_schedule_is_checked_against_the_run_and_the_runs_gamma_may_serve_a_group():
+    raw = digits_config("fedavg", rounds=4)
+    raw["fleet"]["groups"][0]["train"] = {"lr_milestones": [0.05]}
+    with pytest.raises(ConfigError, match=r"fleet.groups\[0\].train.lr_milestones: 0.05 of 4 rounds"):
+        validate_config(raw)
+    raw["fleet"]["groups"][0]["train"] = {"lr_milestones": [0.5]}
+    raw["train"]["lr_gamma"] = 0.5  # the run's gamma, the group's milestones
+    assert validate_config(raw).train_for(validate_config(raw).fleet.groups[0]).lr_at(3, 4) == pytest.approx(0.0015)
+
+
+def test_each_record_and_progress_line_say_the_rate_the_round_trained_with():
+    from edgefl.sim.engine import round_line
+    from edgefl.tracking import round_scalars
+
+    sim, _ = _losses([0.5])
+    assert [record["lr"] for record in sim.history] == pytest.approx([0.003, 0.003, 0.0003, 0.0003])
+    assert round_line(sim.history[-1], 4).endswith("lr 0.0003")
+    assert round_scalars(sim.history[-1])["train/lr"] == pytest.approx(0.0003)
+    mixed, _ = _losses(None, group_override={"lr_milestones": [0.25], "lr_gamma": 0.5})
+    last = mixed.history[-1]["lr"]
+    assert sorted(last.values()) == pytest.approx([0.0015, 0.003]) and round_line(mixed.history[-1], 4).endswith("lr 0.0015, 0.003")
+    plain, _ = _losses(None)
+    assert all("lr" not in record for record in plain.history)  # no schedule: records as they were

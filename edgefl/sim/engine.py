@@ -442,6 +442,10 @@ def round_line(record: dict[str, Any], total: int) -> str:
     # secured, who dropped out of which stage, why a stage failed the round: ids and reasons come
     # from devices, so control characters are escaped (the line is printed without markup)
     notes = "".join(f"  {printable(note, 1000)}" for note in stage_notes(record, show=3))
+    if isinstance(record.get("lr"), float):  # train.lr_milestones: the rate this round trained with
+        notes += f"  lr {record['lr']:.3g}"
+    elif isinstance(record.get("lr"), dict):
+        notes += "  lr " + ", ".join(sorted({f"{rate:.3g}" for rate in record["lr"].values()}, key=float))
     return (
         f"{'update' if record.get('mode') == 'async' else 'round'} {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
         f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}{notes}"
