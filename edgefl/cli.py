@@ -323,7 +323,7 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
     :class:`~edgefl.heartbeat.Heartbeat` repeats while the server waits). A fleet of more than
     PER_DEVICE_LINES_MAX devices gets no line per device, only the round's counts. Ids, statuses
     and reasons can come from the network: escaped (no markup, no control characters)."""
-    from edgefl.report import stage_notes
+    from edgefl.report import lr_note, stage_notes
     from edgefl.safetext import console_text as safe
 
     waiting: dict[str, Any] = {}
@@ -381,7 +381,8 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
                           + (f" (target {info['target']}, {len(info['late'])} late)" if info.get("target", 0) < len(info["selected"]) else "")
                           + (f", missing {safe(_few(info['missing']), 1000)}" if info["missing"] else "")
                           + (f", acc {acc['overall']:.4f}" if acc else "") + f", {info['round_time_s']:.1f}s"
-                          + "".join(f", {safe(note, 1000)}" for note in stage_notes(info)))
+                          + "".join(f", {safe(note, 1000)}" for note in stage_notes(info))
+                          + (f", {rate}" if (rate := lr_note(info)) else ""))
     return on_event
 
 

@@ -486,6 +486,17 @@ def privacy_notes(record: dict[str, Any]) -> list[str]:
     return [f"{name} epsilon {eps:.3g} (delta {delta:g})" for name, (eps, delta) in privacy_spent(record).items()]
 
 
+def lr_note(record: dict[str, Any]) -> str | None:
+    """``lr X`` (``train.lr_milestones``: the rate the round trained with, each distinct one when groups
+    differ), or None for a run without a schedule."""
+    rate = record.get("lr")
+    if isinstance(rate, (int, float)):
+        return f"lr {rate:.3g}"
+    if isinstance(rate, dict):
+        return "lr " + ", ".join(sorted({f"{value:.3g}" for value in rate.values()}, key=float))
+    return None
+
+
 def stage_notes(record: dict[str, Any], show: int = 8) -> list[str]:
     """What a round's stages and secure aggregation add to its console line: ``secured``, who
     dropped out of which stage (``dropped in secagg-unmask: client-7``), who shared keys but sent

@@ -43,8 +43,18 @@ from edgefl.messages import Message, decode, encode
 from edgefl.transport.envelope import Envelope, pack, tensor_manifest, unpack
 
 MAX_BYTES = 256 << 20
+MAX_ROUNDS = 1_000_000  # a round announcement's ``rounds`` beyond this is not believed
 CHUNK_THRESHOLD = 512 << 10
 ACK_TIMEOUT_S, ACK_TIMEOUT_MAX_S = 10.0, 120.0
+
+
+def round_rate(lr: float, round_no: int, rounds: int | None, milestones: tuple[float, ...], gamma: float) -> float:
+    """The rate round ``round_no`` of ``rounds`` trains at under the run's ``train.lr_milestones`` and
+    ``train.lr_gamma`` (docs/config.md): ``lr x gamma ^ #{m : round_no > floor(m x rounds)}``, torch's
+    MultiStepLR over rounds. Written here because the phone has no edgefl config code."""
+    if not milestones or rounds is None:
+        return lr
+    return lr * gamma ** sum(1 for m in milestones if round_no > int(m * rounds))
 
 
 class PhoneTrainer:
@@ -153,7 +163,9 @@ class PhoneDevice:
         self.served: dict[int, list[bytes]] = {}  # round -> the upload's packed envelope (a repeat gets the same bytes)
         self.pending: dict[str, tuple[bytes, float, float]] = {}  # upload id -> (bytes, resend at, wait)
         self.run_id: str | None = None
+        self.rounds_total: int | None = None  # the run's length (round announcements say it): where milestones fall
         self.rounds_served: list[int] = []
+        self.rates: dict[int, float] = {}  # round -> the learning rate it trained at
         self.acks: dict[int, str] = {}
 
     # --- MQTT (section 1) -----------------------------------------------------------------------
@@ -209,6 +221,9 @@ class PhoneDevice:
 
     def round_over(self, env: Envelope) -> bool:
         info = env.extra.get("info", {})
+        total = info.get("rounds")
+        if isinstance(total, int) and not isinstance(total, bool) and 1 <= total <= MAX_ROUNDS:
+            self.rounds_total = total
         if not info.get("done"):
             self.run_id = info.get("run", self.run_id)
             return False
@@ -238,11 +253,15 @@ class PhoneDevice:
 
         t0 = time.perf_counter()
         seed = self.args.seed + env.round
+        if self.args.lr_milestones and self.rounds_total is None:
+            print(f"[{self.id}] round {env.round}: no round announcement has said the run's length yet: "
+                  f"training at --lr {self.args.lr}, without the schedule", file=sys.stderr)
+        lr = round_rate(self.args.lr, env.round, self.rounds_total, self.args.lr_milestones, self.args.lr_gamma)
         if msg.kind == "weights":  # FedAvg: start from the global weights, send the trained ones
             down = {k: v.numpy() for k, v in msg.tensors.items()}
             self.trainer._ensure_params(self.x, self.y)
             self.trainer.load(down)
-            loss, _, _ = self.trainer.train(self.x, self.y, self.args.epochs, self.args.lr, self.args.momentum, seed)
+            loss, _, _ = self.trainer.train(self.x, self.y, self.args.epochs, lr, self.args.momentum, seed)
             trained = self.trainer.weights()
             tensors = {k: (torch.from_numpy(trained[k]) if k in trained else msg.tensors[k]) for k in msg.tensors}  # buffers echoed
             kind = "weights"
@@ -250,7 +269,7 @@ class PhoneDevice:
             server = None
             if "logits" in msg.tensors and env.round > self.args.warmup_rounds and self.args.alpha != 0:
                 server = (msg.tensors["logits"].numpy(), msg.tensors["mask"].numpy().astype(bool))
-            loss, sums, counts = self.trainer.train(self.x, self.y, self.args.epochs, self.args.lr, self.args.momentum, seed,
+            loss, sums, counts = self.trainer.train(self.x, self.y, self.args.epochs, lr, self.args.momentum, seed,
                                                     server, self.args.alpha)
             seen = np.flatnonzero(counts)
             tensors = {"logits": torch.from_numpy((sums[seen] / (counts[seen] + self.args.count_offset)[:, None]).astype(np.float32)),
@@ -274,8 +293,9 @@ class PhoneDevice:
         self.served[env.round] = [data]
         self.pending[up.message_id] = (data, time.monotonic() + ACK_TIMEOUT_S, ACK_TIMEOUT_S)
         self.rounds_served.append(env.round)
+        self.rates[env.round] = lr
         print(f"[{self.id}] round {env.round}: trained {len(self.x)} samples in {time.perf_counter() - t0:.2f} s, "
-              f"loss {loss:.4f}", file=sys.stderr)
+              f"loss {loss:.4f}, lr {lr:.3g}", file=sys.stderr)
         self.publish(data)
 
     def resend_due(self) -> None:
@@ -287,6 +307,26 @@ class PhoneDevice:
                 self.pending[mid] = (data, now + wait, wait)
 
 
+def _milestones(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated fractions of the run, e.g. 0.5 or 0.5,0.75") from None
+    if not all(0 < v < 1 for v in values) or list(values) != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"{text!r}: increasing fractions strictly between 0 and 1, as train.lr_milestones")
+    return values
+
+
+def _gamma(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a factor above 0 and at most 1, as train.lr_gamma")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--broker", required=True, help="mqtt://HOST:PORT")
@@ -296,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", required=True, help=".npz with x_train, y_train (and x_test, y_test), the model's input already scaled")
     p.add_argument("--lr", type=float, default=None, help="default: the sidecar's")
     p.add_argument("--momentum", type=float, default=None, help="default: the sidecar's")
+    p.add_argument("--lr-milestones", type=_milestones, default=(),
+                   help="the run's train.lr_milestones, comma-separated fractions of the run (e.g. 0.5): the rate drops "
+                        "by --lr-gamma after each (the protocol does not carry the run's training settings to a device "
+                        "that holds no task)")
+    p.add_argument("--lr-gamma", type=_gamma, default=0.1, help="the run's train.lr_gamma")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--alpha", type=float, default=1.0, help="FedHe: weight of the logit loss (method.alpha)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="FedHe: rounds of cross-entropy only (method.warmup_rounds)")
@@ -312,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = device.run()
     if args.report:
         Path(args.report).write_text(json.dumps({
-            "rounds_served": device.rounds_served, "acks": device.acks,
+            "rounds_served": device.rounds_served, "acks": device.acks, "lr": device.rates,
             "edgefl_modules": sorted(m for m in sys.modules if m == "edgefl" or m.startswith("edgefl."))}, indent=1))
     return rc
 

@@ -54,6 +54,12 @@ STATE_FILE = "server-state.safetensors"
 TIMING_FIELDS = ("round_time_s", "train_time_s", "eval_time_s", "elapsed_s", "closed_unix", "last_accepted_unix")  # wall clock: differs run to run
 
 
+def _group_index(cfg: RunConfig, group: Any) -> int:
+    """``group``'s place in ``fleet.groups`` (0 for a run's single default group)."""
+    groups = cfg.fleet.groups
+    return next((i for i, g in enumerate(groups) if g is group), groups.index(group) if group in groups else 0)
+
+
 def _digest(raw: dict[str, Any]) -> str:
     return hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
 
@@ -157,13 +163,15 @@ class RunSession:
         #: devices' DP-SGD epsilons over the run (their uploads say it), at the weakest delta configured
         self.dp_sgd = DPSGDLedger(max(deltas)) if deltas else None
         #: each architecture's training settings, where a learning-rate schedule is set: its records say the rate
-        trains = {slot.arch: cfg.train_for(slot.group) for slot in parts.slots}
+        trains = {(slot.arch, _group_index(cfg, slot.group)): cfg.train_for(slot.group) for slot in parts.slots}
         self._schedules = trains if any(t.lr_milestones for t in trains.values()) else {}
 
     def _events(self, sink: EventSink | None) -> EventSink:
         def on_event(kind: str, info: dict[str, Any]) -> None:
             if kind in ("enrolled", "declined"):
                 self._write_enrolment()
+            if kind == "closed" and self._schedules:  # the console's closing line says the rate too
+                info["lr"] = self.learning_rates(info["round"])
             if self.live is not None:
                 self.live.on_event(kind, info)
             if sink is not None:
@@ -302,8 +310,15 @@ class RunSession:
     def learning_rates(self, round_no: int) -> float | dict[str, float]:
         """The learning rate round ``round_no`` trained with (``train.lr_milestones``): one number
         when every architecture shares it, else each architecture's."""
-        rates = {arch: train.lr_at(round_no, self.cfg.rounds) for arch, train in sorted(self._schedules.items())}
-        return next(iter(rates.values())) if len(set(rates.values())) == 1 else rates
+        rates = {key: train.lr_at(round_no, self.cfg.rounds) for key, train in sorted(self._schedules.items())}
+        if len(set(rates.values())) == 1:
+            return next(iter(rates.values()))
+        by_arch: dict[str, set[float]] = {}
+        for (arch, _), rate in rates.items():
+            by_arch.setdefault(arch, set()).add(rate)
+        # two groups of one architecture at different rates: each group by its place in fleet.groups
+        return {(arch if len(by_arch[arch]) == 1 else f"{arch} (fleet.groups[{group}])"): rate
+                for (arch, group), rate in rates.items()}
 
     def save_checkpoint(self, round_no: int) -> None:
         """The server's state after ``round_no`` (and, in a simulation, its devices' first). An

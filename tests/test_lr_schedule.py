@@ -131,3 +131,58 @@ def test_each_record_and_progress_line_say_the_rate_the_round_trained_with():
     assert sorted(last.values()) == pytest.approx([0.0015, 0.003]) and round_line(mixed.history[-1], 4).endswith("lr 0.0015, 0.003")
     plain, _ = _losses(None)
     assert all("lr" not in record for record in plain.history)  # no schedule: records as they were
+
+
+def test_two_groups_of_one_architecture_at_different_rates_are_told_apart_in_the_record():
+    raw = digits_config("fedavg", rounds=4)
+    raw["fleet"]["groups"][1] = {"model": "mlp", "count": 1, "options": {"hidden": [32, 16]}}
+    raw["fleet"]["groups"][0] = {"model": "mlp", "count": 1, "options": {"hidden": [32, 16]},
+                                 "train": {"lr_milestones": [0.25], "lr_gamma": 0.5}}
+    sim = Simulation(validate_config(raw), show_progress=False)
+    sim.run()
+    assert sim.history[-1]["lr"] == pytest.approx({"mlp(hidden=[32, 16]) (fleet.groups[0])": 0.0015,
+                                                 "mlp(hidden=[32, 16]) (fleet.groups[1])": 0.003})
+
+
+def test_a_fleet_console_s_closing_line_says_the_rate():
+    import io
+    import uuid
+
+    from rich.console import Console
+
+    from edgefl.cli import _fleet_printer
+    from edgefl.fleet.launcher import run_fleet
+
+    raw = digits_config("fedavg", rounds=2)
+    raw["train"]["lr_milestones"] = [0.5]
+    raw["fleet"]["groups"] = [{"model": "mlp", "count": 2, "options": {"hidden": [16]}}]
+    raw["network"] = {"round_deadline_s": 60, "federation": f"lr-{uuid.uuid4().hex[:8]}"}
+    buffer = io.StringIO()
+    printer = _fleet_printer(Console(file=buffer, width=300, color_system=None), 2, None, 2)
+    fleet = run_fleet(validate_config(raw), None, None, broker=f"memory://lr-{uuid.uuid4().hex[:8]}", device_timeout_s=120,
+                      on_event=printer)
+    assert set(fleet["device_exit_codes"].values()) == {0}
+    closed = [line for line in buffer.getvalue().splitlines() if line.startswith("round ") and " reported" in line]
+    assert [line.rsplit(", ", 1)[1] for line in closed] == ["lr 0.003", "lr 0.0003"]
+
+
+def test_the_phone_example_follows_the_same_schedule_from_the_run_s_announced_length():
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "phone_device.py"
+    spec = importlib.util.spec_from_file_location("phone_device_example", path)
+    phone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(phone)
+    for milestones, total in [([0.5], 200), ([0.4, 0.7], 50), ([0.3, 0.31], 7)]:
+        settings = TrainSettings(lr=0.05, lr_milestones=milestones, lr_gamma=0.5)
+        assert [phone.round_rate(0.05, r, total, tuple(milestones), 0.5) for r in range(1, total + 1)] == \
+            pytest.approx([settings.lr_at(r, total) for r in range(1, total + 1)])
+    assert phone.round_rate(0.05, 9, None, (0.5,), 0.1) == 0.05  # the length not yet announced: the plain rate
+    assert phone._milestones("0.5,0.75") == (0.5, 0.75)
+    for bad in ("0.75,0.5", "1.5", "nan", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            phone._milestones(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        phone._gamma("0")

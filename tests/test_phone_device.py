@@ -32,7 +32,7 @@ PHONE = "client-2"
 def _config(method: str = "fedavg") -> RunConfig:
     raw = digits_config(method, rounds=2)
     raw["name"] = f"phone-fleet-{method}"
-    raw["train"] = {"epochs": 1, "batch_size": 32, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
+    raw["train"] = {"epochs": 1, "batch_size": 32, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "lr_milestones": [0.5]}
     raw["fleet"] = {"groups": [{"model": "mlp", "count": 3, "options": {"hidden": [32, 16]}}]}
     raw["network"] = {"round_deadline_s": 90}
     raw["threads"] = 1
@@ -73,7 +73,7 @@ def test_a_phone_runtime_device_is_counted_in_a_fleet(method, program, tmp_path)
         procs = [_device(path, broker, f"client-{i}") for i in range(2)]
         phone = subprocess.Popen([sys.executable, str(ROOT / "examples" / "phone_device.py"), "--broker", broker, "--federation", fed,
                                   "--device-id", PHONE, "--program", str(program), "--data", str(share), "--lr", "0.05",
-                                  "--momentum", "0.9", "--epochs", "1", "--timeout", "150", "--report", str(report)],
+                                  "--momentum", "0.9", "--lr-milestones", "0.5", "--epochs", "1", "--timeout", "150", "--report", str(report)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
         wait_online(broker, fed, ["client-0", "client-1", PHONE])
         t = _server_thread(cfg, broker, results)
@@ -88,6 +88,7 @@ def test_a_phone_runtime_device_is_counted_in_a_fleet(method, program, tmp_path)
     assert all(PHONE in h["reported"] for h in history), history
     got = json.loads(report.read_text())
     assert got["rounds_served"] == [1, 2] and set(got["acks"].values()) == {"accepted"}, (got, phone_err)
+    assert got["lr"] == pytest.approx({"1": 0.05, "2": 0.005})  # the run's schedule, from its announced length
     # only wire code of edgefl: no model, training or algorithm module in the phone's process
     assert not [m for m in got["edgefl_modules"] if m.startswith(("edgefl.models", "edgefl.algorithms", "edgefl.sim", "edgefl.device"))]
     if method == "fedavg":

@@ -30,7 +30,7 @@ from edgefl.data import Dataset
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.heartbeat import Heartbeat
-from edgefl.report import human_bytes, stage_notes
+from edgefl.report import human_bytes, lr_note, stage_notes
 from edgefl.rundir import RunDir
 from edgefl.safetext import printable
 from edgefl.filters import build_chain
@@ -442,10 +442,8 @@ def round_line(record: dict[str, Any], total: int) -> str:
     # secured, who dropped out of which stage, why a stage failed the round: ids and reasons come
     # from devices, so control characters are escaped (the line is printed without markup)
     notes = "".join(f"  {printable(note, 1000)}" for note in stage_notes(record, show=3))
-    if isinstance(record.get("lr"), float):  # train.lr_milestones: the rate this round trained with
-        notes += f"  lr {record['lr']:.3g}"
-    elif isinstance(record.get("lr"), dict):
-        notes += "  lr " + ", ".join(sorted({f"{rate:.3g}" for rate in record["lr"].values()}, key=float))
+    if (rate := lr_note(record)) is not None:
+        notes += f"  {rate}"
     return (
         f"{'update' if record.get('mode') == 'async' else 'round'} {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
         f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}{notes}"
