@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from edgefl.algorithms.felo import KNOWLEDGE, FeloOptions, VeloOptions, felo_loss
+from edgefl.algorithms.felo import KNOWLEDGE, SAMPLE_FEATURES, SAMPLE_LABELS, FeloOptions, SampleKeeper, VeloOptions, felo_loss
 from edgefl.errors import ConfigError
 from edgefl.messages import Message, decode, encode
 from edgefl.models import build_model, get_spec, model_names
@@ -165,3 +165,72 @@ def test_velo_retrains_only_every_k_rounds():
         trained.append("cvae" in s.close_round(r))
     assert trained == [True, False, True, False, False, True]  # first round, then rounds 3 and 6
     assert tuple(s.downlink(7, "c0").tensors[KNOWLEDGE + "features"].shape) == (3, 8, 4)
+
+
+# --- Velo's CVAE on per-sample features (cvae_data = "sample_features", the authors' code) --------
+
+def sample_upload(s: VeloServer, sender: str, labels, value: float = 1.0, width: int = 4, round_no: int = 1) -> Message:
+    m = upload(s, sender, [0], [[1.0] * 4], [[1, 0, 0]], [1], round_no=round_no)
+    m.tensors[SAMPLE_FEATURES] = torch.full((len(labels), width), value)
+    m.tensors[SAMPLE_LABELS] = torch.tensor(labels, dtype=torch.int64)
+    return m
+
+
+def test_a_device_keeps_the_features_of_its_last_trained_samples():
+    keeper = SampleKeeper(5)
+    for start in (0, 3, 6):
+        keeper.add(torch.arange(start, start + 3, dtype=torch.float32).unsqueeze(1).repeat(1, 2), torch.tensor([start % 3] * 3))
+    t = keeper.tensors()
+    assert t[SAMPLE_FEATURES][:, 0].tolist() == [4, 5, 6, 7, 8] and t[SAMPLE_LABELS].tolist() == [0, 0, 0, 0, 0]
+    assert len(keeper.batches) == 2  # batches wholly before the last five are let go
+    assert SampleKeeper(5).tensors() == {}
+
+
+def test_velo_on_sample_features_keeps_the_most_recent_per_class_and_learns_from_them():
+    opts = VeloOptions(feature_dim=4, cvae_data="sample_features", samples_per_upload=6, sample_store_size=4, cvae_epochs=1)
+    s = VeloServer(infos(), opts, seed=0, num_classes=3, input_shape=(5,))
+    s.begin_round(1)
+    assert s.receive(sample_upload(s, "c0", [0, 0, 1, 2, 0, 0], value=1.0)).ok
+    assert s.receive(sample_upload(s, "c1", [0, 1], value=2.0)).ok
+    info = s.close_round(1)
+    assert [len(rows) for rows in s.samples] == [4, 2, 1]  # class 0: six rows reported, the last four kept (c1's after c0's)
+    assert s.samples[0][:, 0].tolist() == [1.0, 1.0, 1.0, 2.0]
+    assert info["cvae"]["samples"] == 7  # the CVAE learned from the samples, not the three class means
+    feats, labels = s.cvae_training_data()
+    assert feats.shape == (7, 4) and labels.tolist() == [0, 0, 0, 0, 1, 1, 2]
+
+
+def test_velo_on_sample_features_refuses_an_upload_without_them_or_with_bad_ones():
+    opts = VeloOptions(feature_dim=4, cvae_data="sample_features", samples_per_upload=3)
+    s = VeloServer(infos(), opts, seed=0, num_classes=3, input_shape=(5,))
+    s.begin_round(1)
+    assert "class.sample_features and class.sample_labels" in s.receive(upload(s, "c0", [0], [[1.0] * 4], [[1, 0, 0]], [1])).reason
+    assert "1..3 samples" in s.receive(sample_upload(s, "c0", [0, 1, 2, 0])).reason
+    assert "out of 0..2" in s.receive(sample_upload(s, "c0", [0, 5])).reason
+    assert "[2, 4]" in s.receive(sample_upload(s, "c0", [0, 1], width=3)).reason
+    assert "finite" in s.receive(sample_upload(s, "c0", [0, 1], value=float("nan"))).reason
+    assert s.receive(sample_upload(s, "c0", [0, 1])).ok
+    plain = VeloServer(infos(), VeloOptions(feature_dim=4), seed=0, num_classes=3, input_shape=(5,))
+    plain.begin_round(1)
+    assert plain.receive(upload(plain, "c0", [0], [[1.0] * 4], [[1, 0, 0]], [1])).ok  # the paper's Velo needs no samples
+
+
+def test_velo_on_sample_features_runs_reproducibly_and_resumes_as_an_uninterrupted_run(tmp_path):
+    from edgefl.config import RunConfig
+    from edgefl.sim.engine import Simulation
+    from tests.conftest import method_config
+    from tests.test_every_method import _records
+    from tests.test_resume import stopped_and_resumed
+
+    raw = method_config("velo", rounds=4)
+    raw["method"].update(cvae_data="sample_features", samples_per_upload=40, cvae_epochs=2)
+    raw["threads"] = 1
+    raw.setdefault("simulation", {})["checkpoint_every"] = 2
+    cfg = RunConfig.model_validate(raw)
+    sim = Simulation(cfg, show_progress=False)
+    sim.run()
+    clients = len(sim.clients)
+    assert sim.history[0]["server"]["cvae"]["samples"] == 40 * clients  # every device's last 40 samples
+    assert sim.history[-1]["bytes_up"] > 40 * 4 * raw["method"].get("feature_dim", 512) * clients
+    whole, stopped = stopped_and_resumed(cfg, tmp_path)
+    assert _records(stopped) == _records(whole)

@@ -25,6 +25,7 @@ device whose model emits another width is refused at start-up, with the option t
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Literal
 
 import torch
@@ -40,6 +41,8 @@ from edgefl.tensorchecks import layout_problem
 
 #: tensor-name prefix of the per-class knowledge inside a message that also carries weights
 KNOWLEDGE = "class."
+#: Velo with cvae_data = "sample_features": the per-sample features a device uploads, and their labels
+SAMPLE_FEATURES, SAMPLE_LABELS = KNOWLEDGE + "sample_features", KNOWLEDGE + "sample_labels"
 
 
 class FeloOptions(MethodOptions):
@@ -58,6 +61,14 @@ class VeloOptions(FeloOptions):
     cvae_epochs: int = Field(50, ge=1, description="passes over the feature store per retraining")
     cvae_lr: float = Field(1e-3, gt=0)
     synthetic_per_class: int = Field(8, ge=1, description="synthetic features sent per class")
+    cvae_data: Literal["class_means", "sample_features"] = Field(
+        "class_means", description="what the CVAE learns from: the per-class means every device reports (Algorithm 2) or "
+                                   "per-sample features, which devices then upload too (the authors' code)")
+    samples_per_upload: int = Field(500, ge=1, le=100_000, description="cvae_data = \"sample_features\": the features of a device's "
+                                                                        "last trained samples it uploads each round, at most (authors' code: "
+                                                                        "every trained sample, 10 batches of 50)")
+    sample_store_size: int = Field(4999, ge=1, le=1_000_000, description="cvae_data = \"sample_features\": the most recent per-sample "
+                                                                           "features the server keeps per class (authors' code: 4,999)")
 
 
 def felo_loss(
@@ -112,6 +123,33 @@ class KnowledgeCollector:
                 KNOWLEDGE + "features": (self.feat_sums[seen] / n).float(), KNOWLEDGE + "logits": (self.logit_sums[seen] / n).float()}
 
 
+class SampleKeeper:
+    """The features and labels of the last ``limit`` samples trained on (Velo with ``cvae_data =
+    "sample_features"``), as computed in the training pass, as the authors' clients send them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.batches: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self.held = 0
+
+    def add(self, feats: torch.Tensor, y: torch.Tensor) -> None:
+        self.batches.append((feats.detach().float().cpu(), y.detach().cpu()))
+        self.held += len(y)
+        while self.held - len(self.batches[0][1]) >= self.limit:  # batches no longer among the last `limit`
+            self.held -= len(self.batches.popleft()[1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if not self.batches:
+            return {}
+        feats = torch.cat([f for f, _ in self.batches])[-self.limit :]
+        labels = torch.cat([y for _, y in self.batches])[-self.limit :]
+        return {SAMPLE_FEATURES: feats.contiguous(), SAMPLE_LABELS: labels.to(torch.int64).contiguous()}
+
+
+def sample_keeper(options: FeloOptions) -> SampleKeeper | None:
+    return SampleKeeper(options.samples_per_upload) if getattr(options, "cvae_data", "class_means") == "sample_features" else None
+
+
 def warmup_rounds(options: FeloOptions, total_rounds: int) -> int:
     return options.warmup_rounds if options.warmup_rounds is not None else max(1, math.ceil(0.05 * total_rounds))
 
@@ -163,19 +201,22 @@ class FeloClient(ClientHalf):
         opts: FeloOptions = self.options  # type: ignore[assignment]
         distill = round_no > warmup_rounds(opts, self.setup.total_rounds) and self.server_feats is not None
         collector = KnowledgeCollector(self.setup.num_classes, opts.feature_dim, self.device)
+        keeper = sample_keeper(opts)
         gen = self.round_generator(round_no)
         n_synth = self.server_feats.shape[1] if distill else 1
 
         def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             logits, feats = self.model.forward_with_features(xb)
             collector.add(feats, logits, yb)
+            if keeper is not None:
+                keeper.add(feats, yb)
             if not distill:
                 return F.cross_entropy(logits, yb)
             pick = torch.randint(0, n_synth, (len(yb),), generator=gen).to(self.device) if n_synth > 1 else None
             return felo_loss(logits, feats, yb, self.server_feats, self.server_logits, self.server_mask, opts, pick)
 
         self.train_locally(round_no, loss_fn, generator=gen)
-        return self.reply("class_features", round_no, {**self.model.state_dict(), **collector.means()})
+        return self.reply("class_features", round_no, {**self.model.state_dict(), **collector.means(), **(keeper.tensors() if keeper else {})})
 
     def batch_plan(self, downlink: Message | None, round_no: int) -> BatchPlan:
         self.receive(downlink)
@@ -183,6 +224,7 @@ class FeloClient(ClientHalf):
         distill = round_no > warmup_rounds(opts, self.setup.total_rounds) and self.server_feats is not None
         terms = distill and opts.alpha != 0
         collector = KnowledgeCollector(self.setup.num_classes, opts.feature_dim, self.device)
+        keeper = sample_keeper(opts)
         gen = self.round_generator(round_no)
         n_synth = self.server_feats.shape[1] if distill else 1
         consts = {"feats": self.server_feats, "logits": self.server_logits, "mask": self.server_mask} if terms else {}
@@ -198,6 +240,12 @@ class FeloClient(ClientHalf):
         def step_extras(yb: torch.Tensor) -> dict[str, torch.Tensor]:  # Velo: one synthetic feature per sample, drawn as fit draws it
             return {"pick": torch.randint(0, n_synth, (len(yb),), generator=gen).to(self.device)} if distill and n_synth > 1 else {}
 
+        def on_step(aux: dict[str, torch.Tensor], yb: torch.Tensor) -> None:
+            collector.add(aux["feats"], aux["logits"], yb)
+            if keeper is not None:
+                keeper.add(aux["feats"], yb)
+
         return BatchPlan(("felo", distill, terms, n_synth, opts.model_dump_json()), gen, self.dropout_seed(round_no), loss,
-                         lambda: self.reply("class_features", round_no, {**self.model.state_dict(), **collector.means()}),
-                         consts, step_extras, on_step=lambda aux, yb: collector.add(aux["feats"], aux["logits"], yb))
+                         lambda: self.reply("class_features", round_no,
+                                            {**self.model.state_dict(), **collector.means(), **(keeper.tensors() if keeper else {})}),
+                         consts, step_extras, on_step=on_step)

@@ -11,7 +11,9 @@ nobody has reported is masked out: clients train its samples with cross-entropy 
 ``retrain_every`` rounds, on CUDA when present; the server then sends ``synthetic_per_class``
 features per class decoded from z ~ N(0, I) instead of the average feature, and the averaged
 logits as in Felo (Algorithm 2). The CVAE's training time per round is measured and reported in
-the round record (``server.cvae``).
+the round record (``server.cvae``). With ``cvae_data = "sample_features"`` (the authors' code, not
+Algorithm 2) devices also upload the features of their last trained samples, and the CVAE learns
+from the ``sample_store_size`` most recent of those per class instead of the per-class means.
 
 Both are synchronous: the knowledge and weights of a round are used when the round closes;
 reports from a closed round are acknowledged as late and not used.
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from edgefl.algorithms.felo import KNOWLEDGE
+from edgefl.algorithms.felo import KNOWLEDGE, SAMPLE_FEATURES, SAMPLE_LABELS
 from edgefl.messages import Message
 from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed, generator
 from edgefl.server.methods.base import Receipt, ServerHalf
@@ -143,13 +145,61 @@ class VeloServer(FeloServer):
             torch.manual_seed(derive_seed(self.seed, "velo-cvae-init"))
             self.cvae = FeatureCVAE(options.feature_dim, self.num_classes, options.latent_dim, options.hidden_dim)
         self.trained_rounds = 0
+        #: cvae_data = "sample_features": per class, the most recent per-sample features devices uploaded
+        self.samples: list[torch.Tensor] = [torch.zeros(0, options.feature_dim) for _ in range(self.num_classes)]
+
+    @property
+    def learns_from_samples(self) -> bool:
+        return self.options.cvae_data == "sample_features"
+
+    def accept(self, message: Message) -> Receipt:
+        if self.learns_from_samples and message.kind == "class_features":
+            problem = self.samples_problem(message.tensors)
+            if problem:
+                return Receipt("rejected", problem)
+        return super().accept(message)
+
+    def samples_problem(self, t: dict[str, torch.Tensor]) -> str | None:
+        """Why an upload's per-sample features cannot be taken (None when they can)."""
+        feats, labels = t.get(SAMPLE_FEATURES), t.get(SAMPLE_LABELS)
+        limit, width = self.options.samples_per_upload, self.options.feature_dim
+        if feats is None or labels is None:
+            return (f"method.cvae_data = \"sample_features\": class_features needs {SAMPLE_FEATURES} and {SAMPLE_LABELS} "
+                    "(the features of the device's last trained samples); a device of an older edgefl sends only class means")
+        n = len(labels)
+        if labels.dtype != torch.int64 or labels.dim() != 1 or not 1 <= n <= limit:
+            return f"{SAMPLE_LABELS} must be int64, one label each for 1..{limit} samples, got {labels.dtype} {list(labels.shape)}"
+        if tuple(feats.shape) != (n, width) or not feats.is_floating_point() or not bool(torch.isfinite(feats).all()):
+            return f"{SAMPLE_FEATURES} must be finite floats of shape [{n}, {width}], got {feats.dtype} {list(feats.shape)}"
+        if int(labels.min()) < 0 or int(labels.max()) >= self.num_classes:
+            return f"{SAMPLE_LABELS} holds a class out of 0..{self.num_classes - 1}"
+        return None
+
+    def close_round(self, round_no: int) -> dict[str, Any]:
+        if self.learns_from_samples:
+            keep = self.options.sample_store_size
+            for sender in sorted(self.pending):  # fixed order, as the class store's
+                t = self.pending[sender].tensors
+                feats, labels = t[SAMPLE_FEATURES].float(), t[SAMPLE_LABELS]
+                for c in labels.unique().tolist():
+                    self.samples[c] = torch.cat([self.samples[c], feats[labels == c]])[-keep:].clone()
+        return super().close_round(round_no)
+
+    def cvae_training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, labels) the CVAE learns from: the stored per-class means (Algorithm 2), or the
+        stored per-sample features (``cvae_data = "sample_features"``) while any were reported."""
+        if self.learns_from_samples and any(len(rows) for rows in self.samples):
+            return (torch.cat(self.samples),
+                    torch.cat([torch.full((len(rows),), c, dtype=torch.int64) for c, rows in enumerate(self.samples)]))
+        s = torch.stack([i.feature for items in self.store for i in items])
+        y = torch.tensor([c for c, items in enumerate(self.store) for _ in items])
+        return s, y
 
     def class_features(self, round_no: int, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         opts = self.options
         info: dict[str, Any] = {}
         if self.trained_rounds == 0 or round_no % opts.retrain_every == 0:
-            s = torch.stack([i.feature for items in self.store for i in items])
-            y = torch.tensor([c for c, items in enumerate(self.store) for _ in items])
+            s, y = self.cvae_training_data()
             with GLOBAL_RNG_LOCK:
                 torch.manual_seed(derive_seed(self.seed, "velo-cvae-train", round_no))  # the reparameterisation noise
                 info["cvae"] = train_feature_cvae(self.cvae, s, y, opts.cvae_epochs, opts.cvae_lr,
