@@ -180,6 +180,8 @@ def check_models_fit(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]) -> No
     (architecture, input shape), so a mismatch is a config error naming the group rather than a
     shape error mid-run."""
     seen: set[tuple[str, tuple[int, ...]]] = set()
+    method = get_method(cfg.method.name)
+    options = method.parse_options(cfg.method.options())
     for slot in slots:
         shape = slot.input_shape(ds)
         if (slot.arch, shape) in seen:
@@ -197,7 +199,10 @@ def check_models_fit(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]) -> No
                 f"{'x'.join(map(str, shape))} ({str(exc).splitlines()[0]})",
                 hint="pick a model for this input size (`edgefl models` lists them) or another dataset or view",
             ) from None
-        _check_weights_fit_a_message(cfg, model, slot.arch, group_index)
+        problem = method.client_class().model_problem(model, slot.arch, options)
+        if problem:  # the method's own rule (Felo/Velo's feature width): the fleet server refuses as a simulation does
+            raise ConfigError(f"fleet.groups[{group_index}]: {problem[0]}", hint=problem[1])
+        _check_weights_fit_a_message(cfg, model, slot.arch, group_index, options, ds.num_classes)
 
 
 #: what an upload carries beside its tensors (envelope, safetensors header, meta): a generous bound
@@ -206,22 +211,28 @@ MESSAGE_OVERHEAD_BYTES = 1 << 20
 WEIGHT_KINDS = frozenset({"weights", "decoder", "class_features"})
 
 
-def _check_weights_fit_a_message(cfg: RunConfig, model: torch.nn.Module, arch: str, group_index: int) -> None:
-    """A method that sends a model's weights needs them to fit in one message (network.max_message_bytes,
+def _check_weights_fit_a_message(cfg: RunConfig, model: torch.nn.Module, arch: str, group_index: int, options: Any,
+                                  num_classes: int) -> None:
+    """A method that sends a model's weights needs them, and what it sends beside them (Felo's class
+    knowledge, Velo's per-sample features), to fit in one message (network.max_message_bytes,
     chunked on the wire): refused before the run, with the limit that would carry them, rather than
     uploads refused mid-run (a full-width VGG-9 is 277 MB, over the 256 MiB default)."""
     spec = get_method(cfg.method.name)
     if not (WEIGHT_KINDS & (set(spec.uploads) | set(spec.downloads))):
         return
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    extra, what = spec.client_class().knowledge_bytes(options, num_classes)
+    total = size + extra + MESSAGE_OVERHEAD_BYTES
     limit = cfg.network.max_message_bytes
-    if size + MESSAGE_OVERHEAD_BYTES > limit:
-        need = math.ceil((size + MESSAGE_OVERHEAD_BYTES) / (1 << 20)) << 20
+    if total > limit:
+        need = math.ceil(total / (1 << 20)) << 20
+        beside = f" and {extra / 1e6:.2f} MB of {what}" if extra else ""
         raise ConfigError(
-            f"fleet.groups[{group_index}]: model {arch}'s weights are {size / 1e6:.1f} MB, which {cfg.method.name} sends whole: "
-            f"over network.max_message_bytes = {limit} ({limit / (1 << 20):g} MiB), so its uploads would be refused",
+            f"fleet.groups[{group_index}]: a {cfg.method.name} message of model {arch} holds {size / 1e6:.2f} MB of weights{beside}, "
+            f"plus up to {MESSAGE_OVERHEAD_BYTES >> 20} MiB of envelope and meta edgefl allows for: {total / (1 << 20):.2f} MiB, "
+            f"over network.max_message_bytes = {limit} ({limit / (1 << 20):g} MiB), so such messages would be refused",
             hint=f"raise the limit: [network] max_message_bytes = {need} (and max_partial_bytes_total at least twice that "
-                 "for a fleet), or choose a smaller model (`edgefl models`)")
+                 "for a fleet)" + (", or send less beside the weights" if extra else "") + ", or choose a smaller model (`edgefl models`)")
 
 
 def partition_record(ds: Dataset, slots: list[DeviceSlot]) -> dict:

@@ -234,3 +234,41 @@ def test_velo_on_sample_features_runs_reproducibly_and_resumes_as_an_uninterrupt
     assert sim.history[-1]["bytes_up"] > 40 * 4 * raw["method"].get("feature_dim", 512) * clients
     whole, stopped = stopped_and_resumed(cfg, tmp_path)
     assert _records(stopped) == _records(whole)
+
+
+def test_a_fleet_refuses_a_group_of_another_feature_width_before_any_device_is_built():
+    from tests.conftest import digits_config
+
+    from edgefl.build import build_run
+    from edgefl.config import RunConfig
+
+    groups = [{"model": "mlp", "count": 2, "options": {"hidden": [16], "feature_dim": 16}},
+              {"model": "mlp", "count": 2, "options": {"hidden": [24, 24]}}]
+    raw = digits_config("velo", rounds=2, fleet={"groups": groups})
+    raw["method"] = {"name": "velo", "feature_dim": 16}
+    with pytest.raises(ConfigError, match=r"fleet.groups\[1\]: mlp\(hidden=\[24, 24\]\) emits 24-wide") as caught:
+        build_run(RunConfig.model_validate(raw))  # what the fleet server, --show-config and simulate all run first
+    assert "options.feature_dim = 16" in caught.value.hint
+
+
+def test_per_sample_features_count_toward_the_message_limit_at_start_up():
+    from tests.conftest import digits_config
+
+    from edgefl.build import build_run
+    from edgefl.config import RunConfig
+
+    groups = [{"model": "mlp", "count": 2, "options": {"hidden": [16], "feature_dim": 256}}]
+    raw = digits_config("velo", rounds=2, fleet={"groups": groups})
+    raw["method"] = {"name": "velo", "feature_dim": 256, "cvae_data": "sample_features", "samples_per_upload": 3000}
+    raw["network"] = {"max_message_bytes": 2 << 20, "max_partial_bytes_total": 4 << 20}
+    with pytest.raises(ConfigError, match="3.11 MB of class knowledge with 3000 per-sample features") as caught:
+        build_run(RunConfig.model_validate(raw))
+    assert "max_message_bytes = 4194304" in caught.value.hint
+    raw["method"]["samples_per_upload"] = 500  # 0.5 MB beside 0.02 MB of weights: fits 2 MiB with the envelope's 1 MiB
+    build_run(RunConfig.model_validate(raw))
+
+
+def test_sample_options_without_sample_features_are_refused_with_what_to_set():
+    with pytest.raises(ValueError, match='samples_per_upload size the per-sample features of cvae_data = "sample_features"'):
+        VeloOptions(feature_dim=4, samples_per_upload=10)
+    VeloOptions(feature_dim=4, cvae_data="sample_features", samples_per_upload=10, sample_store_size=20)

@@ -78,6 +78,19 @@ class ClientHalf(ABC):
     #: may rewrite the gradients between backward and the optimizer step (docs/privacy.md)
     dp_sgd_refusal: ClassVar[str] = ""
 
+    @classmethod
+    def model_problem(cls, model: nn.Module, arch: str, options: MethodOptions) -> tuple[str, str] | None:
+        """Why this method cannot train ``model`` ((what is wrong, what to set)), or None when it can:
+        asked of every fleet group at start-up (:func:`edgefl.build.check_models_fit`), so a fleet
+        server refuses the config before any device is built, as a simulation does."""
+        return None
+
+    @classmethod
+    def knowledge_bytes(cls, options: MethodOptions, num_classes: int) -> tuple[int, str]:
+        """The most a message of this method carries beside a model's weights, and what that is (for
+        the start-up check that each message fits network.max_message_bytes); (0, "") for none."""
+        return 0, ""
+
     def __init__(self, setup: ClientSetup, options: MethodOptions) -> None:
         self.setup = setup
         self.options = options

@@ -29,7 +29,7 @@ from collections import deque
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch.nn import functional as F
 
 from edgefl.algorithms.base import ClientHalf, MethodOptions
@@ -69,6 +69,14 @@ class VeloOptions(FeloOptions):
                                                                         "every trained sample, 10 batches of 50)")
     sample_store_size: int = Field(4999, ge=1, le=1_000_000, description="cvae_data = \"sample_features\": the most recent per-sample "
                                                                            "features the server keeps per class (authors' code: 4,999)")
+
+    @model_validator(mode="after")
+    def _sample_options_go_with_sample_features(self) -> VeloOptions:
+        stray = sorted({"samples_per_upload", "sample_store_size"} & self.model_fields_set)
+        if stray and self.cvae_data != "sample_features":
+            raise ValueError(f"{' and '.join(stray)} size the per-sample features of cvae_data = \"sample_features\"; with "
+                             f"cvae_data = {self.cvae_data!r} nothing reads them: set cvae_data = \"sample_features\" or drop them")
+        return self
 
 
 def felo_loss(
@@ -157,15 +165,30 @@ def warmup_rounds(options: FeloOptions, total_rounds: int) -> int:
 class FeloClient(ClientHalf):
     carried = ("server_feats", "server_logits", "server_mask")
 
+    @classmethod
+    def model_problem(cls, model, arch: str, options: FeloOptions) -> tuple[str, str] | None:
+        width = getattr(model, "feature_dim", None)
+        if width == options.feature_dim:
+            return None
+        return (f"{arch} emits {width}-wide mid-level features; Felo/Velo average them across architectures at width "
+                f"{options.feature_dim}",
+                f"set options.feature_dim = {options.feature_dim} in every fleet group (or method.feature_dim = {width})")
+
+    @classmethod
+    def knowledge_bytes(cls, options: FeloOptions, num_classes: int) -> tuple[int, str]:
+        c, f = num_classes, options.feature_dim
+        means = c * (f + c) * 4 + 2 * c * 8  # features, logits, classes, counts (up); the mask down
+        down = c * getattr(options, "synthetic_per_class", 1) * f * 4 + c * c * 4 + c
+        if getattr(options, "cvae_data", "class_means") == "sample_features":
+            up = means + options.samples_per_upload * (f * 4 + 8)
+            return max(up, down), f"class knowledge with {options.samples_per_upload} per-sample features (method.samples_per_upload)"
+        return max(means, down), "class knowledge"
+
     def __init__(self, setup, options: FeloOptions) -> None:
         super().__init__(setup, options)
-        width = getattr(self.model, "feature_dim", None)
-        if width != options.feature_dim:
-            raise ConfigError(
-                f"{setup.arch} emits {width}-wide mid-level features; Felo/Velo average them across architectures at "
-                f"width {options.feature_dim}",
-                hint=f"set options.feature_dim = {options.feature_dim} in every fleet group (or method.feature_dim = {width})",
-            )
+        problem = self.model_problem(self.model, setup.arch, options)
+        if problem:
+            raise ConfigError(problem[0], hint=problem[1])
         self.server_feats: torch.Tensor | None = None
         self.server_logits: torch.Tensor | None = None
         self.server_mask: torch.Tensor | None = None
