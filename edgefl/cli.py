@@ -382,7 +382,7 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
                           + (f", missing {safe(_few(info['missing']), 1000)}" if info["missing"] else "")
                           + (f", acc {acc['overall']:.4f}" if acc else "") + f", {info['round_time_s']:.1f}s"
                           + "".join(f", {safe(note, 1000)}" for note in stage_notes(info))
-                          + (f", {rate}" if (rate := lr_note(info)) else ""))
+                          + (f", {safe(rate, 1000)}" if (rate := lr_note(info)) else ""))
     return on_event
 
 
@@ -424,7 +424,8 @@ def fleet(
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
     run = RunDir.create(out_dir, cfg.name, cfg.seed, overwrite=overwrite)
-    err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device processes, {cfg.rounds} rounds")
+    kind = "threads" if (broker or "").startswith("memory://") else "processes"  # memory://: every device a thread of this process
+    err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device {kind}, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
     board = _open_dashboard(run.path, dashboard)
     with _stoppable() as (stop, beat), _discarded_on_failure(run), _second_signal(run.path), _events_printed_not_logged():

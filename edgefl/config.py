@@ -565,9 +565,12 @@ class RunConfig(Strict):
         trains = [("train", self.train)] + [(f"fleet.groups[{i}].train", self.train_for(g))
                                             for i, g in enumerate(self.fleet.groups) if g.train is not None]
         scheduled = any(train.lr_milestones for _, train in trains)
+        own_gamma = {f"fleet.groups[{i}].train" for i, g in enumerate(self.fleet.groups)
+                     if g.train is not None and "lr_gamma" in g.train.model_fields_set}
         for where, train in trains:
             if not train.lr_milestones:
-                if not scheduled and train.lr_gamma != TrainSettings.model_fields["lr_gamma"].default:
+                # the run's gamma may serve groups with milestones of their own; a group's own gamma serves only that group
+                if (not scheduled or where in own_gamma) and train.lr_gamma != TrainSettings.model_fields["lr_gamma"].default:
                     raise ValueError(f"{where}.lr_gamma = {train.lr_gamma:g} scales nothing without lr_milestones: add "
                                      "lr_milestones (e.g. [0.5]) or drop lr_gamma")
                 continue

@@ -487,13 +487,14 @@ def privacy_notes(record: dict[str, Any]) -> list[str]:
 
 
 def lr_note(record: dict[str, Any]) -> str | None:
-    """``lr X`` (``train.lr_milestones``: the rate the round trained with, each distinct one when groups
-    differ), or None for a run without a schedule."""
+    """``lr X`` (``train.lr_milestones``: the rate the round trained with; ``lr ARCH X, ...`` when groups
+    train on schedules of their own), or None for a run without a schedule. Keys can come from a
+    file: callers escape the line."""
     rate = record.get("lr")
     if isinstance(rate, (int, float)):
         return f"lr {rate:.3g}"
-    if isinstance(rate, dict):
-        return "lr " + ", ".join(sorted({f"{value:.3g}" for value in rate.values()}, key=float))
+    if isinstance(rate, dict):  # each architecture's (or group's) rate, in the record's sorted order
+        return "lr " + ", ".join(f"{key} {value:.3g}" for key, value in sorted(rate.items()) if isinstance(value, (int, float)))
     return None
 
 

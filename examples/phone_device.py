@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the run's train.lr_milestones, comma-separated fractions of the run (e.g. 0.5): the rate drops "
                         "by --lr-gamma after each (the protocol does not carry the run's training settings to a device "
                         "that holds no task)")
-    p.add_argument("--lr-gamma", type=_gamma, default=0.1, help="the run's train.lr_gamma")
+    p.add_argument("--lr-gamma", type=_gamma, default=None, help="the run's train.lr_gamma (default 0.1; only with --lr-milestones)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--alpha", type=float, default=1.0, help="FedHe: weight of the logit loss (method.alpha)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="FedHe: rounds of cross-entropy only (method.warmup_rounds)")
@@ -350,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--report", default=None, help="write a JSON report (rounds served, acks, edgefl modules imported)")
     args = p.parse_args(argv)
+    if args.lr_gamma is not None and not args.lr_milestones:
+        p.error("--lr-gamma scales nothing without --lr-milestones (give the run's train.lr_milestones, or drop --lr-gamma)")
+    args.lr_gamma = 0.1 if args.lr_gamma is None else args.lr_gamma
+    for flag, path in (("--data", args.data), ("--program", args.program), ("--program's sidecar", args.program + ".json")):
+        if not Path(path).is_file():
+            p.error(f"{flag} {path}: no such file")
     device = PhoneDevice(args)
     opt = device.trainer.meta["optimizer"]
     args.lr = opt["lr"] if args.lr is None else args.lr

@@ -165,6 +165,8 @@ class RunSession:
         #: each architecture's training settings, where a learning-rate schedule is set: its records say the rate
         trains = {(slot.arch, _group_index(cfg, slot.group)): cfg.train_for(slot.group) for slot in parts.slots}
         self._schedules = trains if any(t.lr_milestones for t in trains.values()) else {}
+        #: groups train on schedules of their own: every record names each group's rate, also in rounds where they agree
+        self._rate_per_group = len({(t.lr, tuple(t.lr_milestones), t.lr_gamma) for t in self._schedules.values()}) > 1
 
     def _events(self, sink: EventSink | None) -> EventSink:
         def on_event(kind: str, info: dict[str, Any]) -> None:
@@ -309,9 +311,10 @@ class RunSession:
 
     def learning_rates(self, round_no: int) -> float | dict[str, float]:
         """The learning rate round ``round_no`` trained with (``train.lr_milestones``): one number
-        when every architecture shares it, else each architecture's."""
+        when every group trains on one schedule, else each architecture's (each group's, where two
+        groups of one architecture differ), in every round, so a curve per architecture is whole."""
         rates = {key: train.lr_at(round_no, self.cfg.rounds) for key, train in sorted(self._schedules.items())}
-        if len(set(rates.values())) == 1:
+        if not self._rate_per_group:
             return next(iter(rates.values()))
         by_arch: dict[str, set[float]] = {}
         for (arch, _), rate in rates.items():

@@ -116,6 +116,9 @@ def test_a_groups_schedule_is_checked_against_the_run_and_the_runs_gamma_may_ser
     raw["fleet"]["groups"][0]["train"] = {"lr_milestones": [0.5]}
     raw["train"]["lr_gamma"] = 0.5  # the run's gamma, the group's milestones
     assert validate_config(raw).train_for(validate_config(raw).fleet.groups[0]).lr_at(3, 4) == pytest.approx(0.0015)
+    raw["fleet"]["groups"][1]["train"] = {"lr_milestones": [], "lr_gamma": 0.5}  # a group's own gamma with no milestones of its own
+    with pytest.raises(ConfigError, match=r"fleet.groups\[1\].train.lr_gamma = 0.5 scales nothing"):
+        validate_config(raw)
 
 
 def test_each_record_and_progress_line_say_the_rate_the_round_trained_with():
@@ -128,7 +131,11 @@ def test_each_record_and_progress_line_say_the_rate_the_round_trained_with():
     assert round_scalars(sim.history[-1])["train/lr"] == pytest.approx(0.0003)
     mixed, _ = _losses(None, group_override={"lr_milestones": [0.25], "lr_gamma": 0.5})
     last = mixed.history[-1]["lr"]
-    assert sorted(last.values()) == pytest.approx([0.0015, 0.003]) and round_line(mixed.history[-1], 4).endswith("lr 0.0015, 0.003")
+    assert sorted(last.values()) == pytest.approx([0.0015, 0.003])
+    assert round_line(mixed.history[-1], 4).endswith("lr " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(last.items())))
+    # groups on schedules of their own: every record names each one's rate, also round 1, where they agree
+    assert all(isinstance(record["lr"], dict) and set(record["lr"]) == set(last) for record in mixed.history)
+    assert set(round_scalars(mixed.history[0])) >= {f"train/lr/{k}" for k in last}
     plain, _ = _losses(None)
     assert all("lr" not in record for record in plain.history)  # no schedule: records as they were
 

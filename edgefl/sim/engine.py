@@ -443,7 +443,7 @@ def round_line(record: dict[str, Any], total: int) -> str:
     # from devices, so control characters are escaped (the line is printed without markup)
     notes = "".join(f"  {printable(note, 1000)}" for note in stage_notes(record, show=3))
     if (rate := lr_note(record)) is not None:
-        notes += f"  {rate}"
+        notes += f"  {printable(rate, 1000)}"
     return (
         f"{'update' if record.get('mode') == 'async' else 'round'} {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
         f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}{notes}"
