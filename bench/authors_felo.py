@@ -78,6 +78,7 @@ import importlib
 import os
 import sys
 import tempfile
+import textwrap
 import time
 import types
 from pathlib import Path
@@ -436,7 +437,7 @@ def checkout_digests(authors: Path) -> dict[str, str]:
 
 def plot(payload: dict, out: Path) -> Path:
     curves = {label: ([x for x, _ in r["curve"]], [100 * y for _, y in r["curve"]]) for label, r in payload["results"].items()}
-    title = payload["setting"].replace(" of 2 clients", "\nof 2 clients")  # two lines: the figure is 7 inches wide
+    title = "\n".join(textwrap.wrap(payload["setting"], 80))  # lines that fit the 7-inch-wide figure
     return plot_curves(curves, title, "mean accuracy (%)", out, highlight="authors")
 
 
