@@ -37,7 +37,7 @@ def harness():
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(seed=0, iterations=200, threads=1, partition="iid", alpha=0.5, test_samples=2000, width=0.25,
-                feature_dim=128, curve=5, stem="imagenet", lr_milestones=[])
+                feature_dim=128, curve=5, stem="imagenet", lr_milestones=[], velo_cvae_data="class_means")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -88,6 +88,12 @@ def test_every_edgefl_config_the_script_builds_is_valid(harness, method, persona
     if method == "velo":  # their CVAE's schedule: 10 epochs every 1 % of the run, one feature a class
         assert (cfg.method.retrain_every, cfg.method.cvae_epochs, cfg.method.synthetic_per_class) == (2, 10, 1)
         assert cfg.method.latent_dim == cfg.method.hidden_dim == cfg.method.feature_dim == 128
+        assert cfg.method.cvae_data == "class_means"  # Algorithm 2 unless asked
+
+
+def test_their_per_sample_cvae_data_reaches_edgefl_s_velo_when_asked(harness):
+    cfg = validate_config(harness.edgefl_config(_args(velo_cvae_data="sample_features"), "velo"), "authors_felo")
+    assert (cfg.method.cvae_data, cfg.method.samples_per_upload, cfg.method.sample_store_size) == ("sample_features", 500, 4999)
 
 
 def test_their_learning_rate_drop_and_a_nearer_stem_reach_edgefl_only_when_asked(harness):
