@@ -60,6 +60,11 @@ def _group_index(cfg: RunConfig, group: Any) -> int:
     return next((i for i, g in enumerate(groups) if g is group), groups.index(group) if group in groups else 0)
 
 
+def _schedule(train: Any) -> tuple:
+    """What decides a group's learning rate in every round."""
+    return (train.lr, tuple(train.lr_milestones), train.lr_gamma)
+
+
 def _digest(raw: dict[str, Any]) -> str:
     return hashlib.sha256(tomli_w.dumps(raw).encode()).hexdigest()
 
@@ -166,7 +171,14 @@ class RunSession:
         trains = {(slot.arch, _group_index(cfg, slot.group)): cfg.train_for(slot.group) for slot in parts.slots}
         self._schedules = trains if any(t.lr_milestones for t in trains.values()) else {}
         #: groups train on schedules of their own: every record names each group's rate, also in rounds where they agree
-        self._rate_per_group = len({(t.lr, tuple(t.lr_milestones), t.lr_gamma) for t in self._schedules.values()}) > 1
+        self._rate_per_group = len({_schedule(t) for t in self._schedules.values()}) > 1
+        #: each (architecture, group)'s key in a record: the architecture, or, where groups of one architecture train on
+        #: different schedules, the group too (decided once, so a key never changes between rounds)
+        schedules_of: dict[str, set[tuple]] = {}
+        for (arch, _), train in self._schedules.items():
+            schedules_of.setdefault(arch, set()).add(_schedule(train))
+        self._rate_keys = {(arch, group): arch if len(schedules_of[arch]) == 1 else f"{arch} (fleet.groups[{group}])"
+                           for arch, group in self._schedules}
 
     def _events(self, sink: EventSink | None) -> EventSink:
         def on_event(kind: str, info: dict[str, Any]) -> None:
@@ -313,15 +325,8 @@ class RunSession:
         """The learning rate round ``round_no`` trained with (``train.lr_milestones``): one number
         when every group trains on one schedule, else each architecture's (each group's, where two
         groups of one architecture differ), in every round, so a curve per architecture is whole."""
-        rates = {key: train.lr_at(round_no, self.cfg.rounds) for key, train in sorted(self._schedules.items())}
-        if not self._rate_per_group:
-            return next(iter(rates.values()))
-        by_arch: dict[str, set[float]] = {}
-        for (arch, _), rate in rates.items():
-            by_arch.setdefault(arch, set()).add(rate)
-        # two groups of one architecture at different rates: each group by its place in fleet.groups
-        return {(arch if len(by_arch[arch]) == 1 else f"{arch} (fleet.groups[{group}])"): rate
-                for (arch, group), rate in rates.items()}
+        rates = {self._rate_keys[key]: train.lr_at(round_no, self.cfg.rounds) for key, train in sorted(self._schedules.items())}
+        return dict(sorted(rates.items())) if self._rate_per_group else next(iter(rates.values()))
 
     def save_checkpoint(self, round_no: int) -> None:
         """The server's state after ``round_no`` (and, in a simulation, its devices' first). An

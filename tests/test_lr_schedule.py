@@ -149,6 +149,8 @@ def test_two_groups_of_one_architecture_at_different_rates_are_told_apart_in_the
     sim.run()
     assert sim.history[-1]["lr"] == pytest.approx({"mlp(hidden=[32, 16]) (fleet.groups[0])": 0.0015,
                                                  "mlp(hidden=[32, 16]) (fleet.groups[1])": 0.003})
+    # round 1 trains both at 0.003: its record keeps the two keys all the same
+    assert all(set(record["lr"]) == set(sim.history[-1]["lr"]) for record in sim.history)
 
 
 def test_a_fleet_console_s_closing_line_says_the_rate():
