@@ -184,7 +184,7 @@ class RunSession:
         def on_event(kind: str, info: dict[str, Any]) -> None:
             if kind in ("enrolled", "declined"):
                 self._write_enrolment()
-            if kind == "closed" and self._schedules:  # the console's closing line says the rate too
+            if kind == "closed" and self._schedules:  # every record is closed here first: the record, and the console's line, say the rate
                 info["lr"] = self.learning_rates(info["round"])
             if self.live is not None:
                 self.live.on_event(kind, info)
@@ -308,8 +308,6 @@ class RunSession:
     # --- rounds ---------------------------------------------------------------------------------
     def after_round(self, record: dict[str, Any]) -> None:
         record["elapsed_s"] = round(self._elapsed_before + time.perf_counter() - self._t0, 3)
-        if self._schedules:
-            record["lr"] = self.learning_rates(record["round"])
         if self.dp_sgd is not None:
             self.dp_sgd.note(record)
         if self.run_dir is None:
