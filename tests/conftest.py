@@ -107,3 +107,9 @@ def serve_with_device_threads(cfg, url: str, devices: list[str], join_timeout_s:
         t.join(60)
     assert not failed, failed
     return summary, served
+
+
+def flip_last(data: bytes) -> bytes:
+    """``data`` with its last byte changed. Flipping a bit always changes it; writing a fixed byte
+    does not when the byte already had that value (once in 256 runs, a flaky test)."""
+    return data[:-1] + bytes([data[-1] ^ 1])

@@ -23,7 +23,7 @@ from edgefl.transport.base import Delivery, DeviceTransport
 from edgefl.transport.chunks import split
 from edgefl.transport.envelope import Envelope, pack, unpack
 from edgefl.transport.signing import EVERYONE, Signer, Verifier
-from tests.conftest import method_config
+from tests.conftest import flip_last, method_config
 
 FED = "hostile"
 BOUNDED = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -210,7 +210,7 @@ def test_with_the_servers_key_only_its_signed_messages_for_this_device_are_taken
     download = _download(good).payload
     forger = Signer.from_seed(bytes(32))
     for data in (download, _signed(forger, download), _signed(signer, download, "client-1"), _signed(signer, download, EVERYONE),
-                 _signed(signer, download)[:-1] + b"\0"):
+                 flip_last(_signed(signer, download))):
         loop.handle(Delivery("message", "server", data))
     assert not _uploads(loop) and loop.refused == 5
     real = _signed(signer, download)

@@ -21,7 +21,7 @@ from edgefl.transport.chunks import Reassembler, split
 from edgefl.transport.envelope import Envelope, pack, unpack
 from edgefl.transport.link import BrokerAddress, Link
 from edgefl.transport.topics import Topics
-from tests.conftest import digits_config
+from tests.conftest import digits_config, flip_last
 from tests.mosquitto import mosquitto
 
 LIMIT = 64 << 20
@@ -43,7 +43,7 @@ def test_envelope_round_trips_and_checks_cheapest_first():
         "version": (data[:4] + b"\x09" + data[5:], LIMIT),
         "truncated": (data[:6], LIMIT),
         "does not fit": (data[:-8][:20], LIMIT),
-        "SHA-256": (data[:-1] + bytes([data[-1] ^ 1]), LIMIT),
+        "SHA-256": (flip_last(data), LIMIT),
         "bytes, the header says": (data + b"extra", LIMIT),
     }
     for expected, (blob, limit) in cases.items():
@@ -301,7 +301,7 @@ def test_hostile_uploads_are_nacked_and_the_server_survives(tmp_path):
         attempts = [
             b"JUNK" + upload(real)[4:],  # bad magic
             upload(real)[:30],  # truncated
-            upload(real)[:-1] + b"\x00",  # body hash
+            flip_last(upload(real)),  # body hash
             pickle.dumps({"w": 1}),  # pickle bytes
             upload(wrong_shape),
             upload(nan),
