@@ -138,14 +138,17 @@ def simulate(
     _say_data(parts)
     stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
     if resume:
+        # a finished run whose last checkpoint came before its end plays its last rounds again (the same numbers): said
+        had_finished = "this run had finished; " if _finished(run) else ""
         if cfg.mode == "async":
-            finished = _finished(run)
-            err.print(("this run had finished; " if finished else "")
+            err.print(had_finished
                       + f"resuming after server update {first - 1} of {cfg.rounds} (the checkpoint after record {len(sim.history)}; "
                       "the updates since are played again, with the same numbers)")
+        elif first <= cfg.rounds:
+            err.print(had_finished + f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1}"
+                      + ("; the rounds after it are played again, with the same numbers)" if had_finished else ")"))
         else:
-            err.print(f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1})" if first <= cfg.rounds
-                      else f"all {cfg.rounds} rounds were played: nothing left to resume, the results are written again")
+            err.print(f"all {cfg.rounds} rounds were played: nothing left to resume, the results are written again")
     try:
         with stop:
             summary = sim.run(should_stop=stop.requested)

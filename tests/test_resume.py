@@ -135,6 +135,23 @@ def test_the_command_line_resumes_from_the_run_directory_alone(tmp_path):
     assert [r["round"] for r in _records(out)] == [1, 2]
 
 
+def test_resuming_a_finished_sync_run_says_it_had_finished_when_it_plays_rounds_again(tmp_path):
+    """The last checkpoint of a finished run can come before its last round (checkpoint_every=2 of
+    3 rounds): resuming plays round 3 again with the same numbers, and says why."""
+    from edgefl.cli import app
+
+    cfg = _config("fedavg", rounds=3, every=2)
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    out = tmp_path / "run"
+    assert CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--quiet"]).exit_code == 0
+    before = _records(out)
+    res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "this run had finished; resuming at round 3 of 3" in " ".join(res.output.split())
+    assert _records(out) == before
+
+
 def test_what_cannot_be_resumed_is_refused_with_the_reason(tmp_path):
     cfg = _config("fedavg", every=0)
     run = RunDir.create(tmp_path / "run", cfg.name, cfg.seed)
