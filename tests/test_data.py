@@ -196,6 +196,61 @@ def test_sklearn_sets():
         load_dataset("cifar-11")
 
 
+
+def _same_dataset(a, b) -> bool:
+    return (all(torch.equal(getattr(a, k), getattr(b, k)) and getattr(a, k).dtype == getattr(b, k).dtype
+                for k in ("x_train", "y_train", "x_test", "y_test"))
+            and (a.class_names, a.standardisation, a.source) == (b.class_names, b.standardisation, b.source))
+
+
+@pytest.mark.parametrize("name", ["digits", "breast-cancer"])
+def test_a_sklearn_split_is_read_back_from_the_cache_without_importing_sklearn(name, isolated):
+    import json
+    import subprocess
+    import sys
+
+    from edgefl.data.datasets import _split_with_sklearn, cache_dir
+
+    first = load_dataset(name)
+    kept = list((cache_dir() / "sklearn").glob(f"{name}-sklearn*.npz"))
+    assert len(kept) == 1
+    assert _same_dataset(first, load_dataset(name))  # read back: the very tensors scikit-learn's split gave
+    fresh = _split_with_sklearn(name, 0.25, 0)
+    assert np.array_equal(fresh["x_test"], first.x_test.numpy())
+    # another process (a device) reads the cache: scikit-learn, SciPy and pandas are never imported
+    code = ("import json, sys; from edgefl.data import load_dataset; d = load_dataset(sys.argv[1]); "
+            "print(json.dumps([m for m in ('sklearn', 'scipy', 'pandas') if m in sys.modules] + [float(d.x_train.sum())]))")
+    out = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert json.loads(out) == [pytest.approx(float(first.x_train.sum()))]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong dtype", "pickled object", "label out of range"])
+def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
+    from edgefl.data.datasets import cache_dir
+
+    good = load_dataset("digits")
+    path = next((cache_dir() / "sklearn").glob("digits-*.npz"))
+    arrays = dict(np.load(path))
+    if damage == "garbage":
+        path.write_bytes(b"PK\x03\x04" + b"\x00" * 64)
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    elif damage == "wrong dtype":
+        np.savez(path, **{**arrays, "x_train": arrays["x_train"].astype(np.float64)})
+    elif damage == "pickled object":
+        np.savez(path, **{**arrays, "class_names": np.array([object()] * 10, dtype=object)})
+    else:
+        np.savez(path, **{**arrays, "y_train": arrays["y_train"] + 10})
+    assert _same_dataset(load_dataset("digits"), good)
+    assert dict(np.load(path)).keys() == arrays.keys()  # written again
+    assert _same_dataset(load_dataset("digits"), good)
+
+
+def test_a_cache_folder_that_cannot_be_written_only_costs_the_import(isolated, monkeypatch):
+    (isolated / "cache").write_text("a file where the cache folder would go")
+    assert load_dataset("digits").num_classes == 10
+
+
 LABELS = np.repeat(np.arange(10), 100)
 
 

@@ -12,7 +12,7 @@ image shape, the first labels and a SHA-256 of the labels where known), so MNIST
 trained on as Fashion-MNIST or the other way round. File names: ``train-images-idx3-ubyte``,
 ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each also
 accepted with ``.idx3-ubyte``/``.idx1-ubyte`` after a dot (``train-images.idx3-ubyte``) and with
-``.gz`` (docs/data.md).
+``.gz`` (README, Data).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from edgefl.data.idx import read_idx
+from edgefl.data.sklearn_cache import read_split, split_path, write_split
 from edgefl.errors import DataError
 
 FILES = {
@@ -309,7 +310,31 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
     """scikit-learn's digits (8x8 images) or breast-cancer (30 features, standardised on train).
 
     The train/test split uses a fixed ``split_seed`` so the test set is the same for every run seed.
+    It is kept in the user cache after the first load (:mod:`edgefl.data.sklearn_cache`), so a
+    device process does not import scikit-learn to read it again.
     """
+    if name not in SKLEARN_SETS:
+        raise DataError(f"unknown scikit-learn dataset {name!r}")
+    cached = split_path(cache_dir(), name, test_fraction, split_seed)
+    arrays = read_split(cached)
+    if arrays is None:
+        arrays = _split_with_sklearn(name, test_fraction, split_seed)
+        write_split(cached, arrays)
+    standardisation = ((tuple(float(v) for v in arrays["mean"]), tuple(float(v) for v in arrays["std"]))
+                       if "mean" in arrays else None)
+    return Dataset(
+        name=name,
+        x_train=torch.from_numpy(np.ascontiguousarray(arrays["x_train"])),
+        y_train=torch.from_numpy(np.ascontiguousarray(arrays["y_train"])),
+        x_test=torch.from_numpy(np.ascontiguousarray(arrays["x_test"])),
+        y_test=torch.from_numpy(np.ascontiguousarray(arrays["y_test"])),
+        class_names=tuple(str(c) for c in arrays["class_names"]),
+        source=f"sklearn.datasets ({name})",
+        standardisation=standardisation,
+    )
+
+
+def _split_with_sklearn(name: str, test_fraction: float, split_seed: int) -> dict[str, np.ndarray]:
     try:
         from sklearn.datasets import load_breast_cancer, load_digits
         from sklearn.model_selection import train_test_split
@@ -318,29 +343,16 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
     if name == "digits":
         raw = load_digits()
         x = raw.data.reshape(-1, 1, 8, 8).astype(np.float32) / 16.0
-        names = tuple(str(c) for c in raw.target_names)
-    elif name == "breast-cancer":
+    else:
         raw = load_breast_cancer()
         x = raw.data.astype(np.float32)
-        names = tuple(str(c) for c in raw.target_names)
-    else:
-        raise DataError(f"unknown scikit-learn dataset {name!r}")
     xtr, xte, ytr, yte = train_test_split(x, raw.target, test_size=test_fraction, random_state=split_seed, stratify=raw.target)
-    standardisation = None
+    arrays = {"x_train": xtr, "y_train": ytr.astype(np.int64), "x_test": xte, "y_test": yte.astype(np.int64),
+              "class_names": np.array([str(c) for c in raw.target_names])}
     if name == "breast-cancer":
         mean, std = xtr.mean(0), xtr.std(0) + 1e-8
-        xtr, xte = (xtr - mean) / std, (xte - mean) / std
-        standardisation = (tuple(float(v) for v in mean), tuple(float(v) for v in std))
-    return Dataset(
-        name=name,
-        x_train=torch.from_numpy(np.ascontiguousarray(xtr)),
-        y_train=torch.from_numpy(ytr.astype(np.int64)),
-        x_test=torch.from_numpy(np.ascontiguousarray(xte)),
-        y_test=torch.from_numpy(yte.astype(np.int64)),
-        class_names=names,
-        source=f"sklearn.datasets ({name})",
-        standardisation=standardisation,
-    )
+        arrays.update(x_train=(xtr - mean) / std, x_test=(xte - mean) / std, mean=mean.astype(np.float64), std=std.astype(np.float64))
+    return arrays
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, download: bool = True,

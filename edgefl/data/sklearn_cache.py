@@ -1,0 +1,85 @@
+"""The train/test split of a scikit-learn data set, kept as arrays in the user cache.
+
+Importing scikit-learn pulls in SciPy and pandas: about 1.5 s of CPU in every process that loads
+digits or breast-cancer, and a fleet starts one process per device. The split is computed by
+scikit-learn once per (data set, scikit-learn version, test fraction, split seed) and read back
+from an ``.npz`` file (no pickle) after that. A cache file that cannot be read, or whose arrays
+do not have the shapes and types a split has, is ignored and written again; a cache folder that
+cannot be written only costs the import.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: the arrays of a split: inputs float32, labels int64, class names as text
+KEYS = ("x_train", "y_train", "x_test", "y_test", "class_names")
+#: a split of these small sets is well under this; a larger file is not one this module wrote
+MAX_CACHE_BYTES = 64 << 20
+
+
+def split_path(root: Path, name: str, test_fraction: float, split_seed: int) -> Path | None:
+    """Where the split is kept, named by everything that decides it; None without scikit-learn
+    (its version is part of the name: another version may split or scale differently)."""
+    try:
+        version = importlib.metadata.version("scikit-learn")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return root / "sklearn" / f"{name}-sklearn{version}-test{test_fraction!r}-seed{int(split_seed)}.npz"
+
+
+def read_split(path: Path | None) -> dict[str, np.ndarray] | None:
+    """The arrays kept at ``path``, or None when there is no usable file."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        if path.stat().st_size > MAX_CACHE_BYTES:
+            return None
+        with np.load(path, allow_pickle=False) as stored:
+            arrays = {k: stored[k] for k in stored.files}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a torn or foreign file: computed again
+        log.info("ignoring the cached split %s: %s", path, exc)
+        return None
+    return arrays if _is_a_split(arrays) else None
+
+
+def _is_a_split(arrays: dict[str, np.ndarray]) -> bool:
+    if not all(k in arrays for k in KEYS):
+        return False
+    x_train, y_train, x_test, y_test, names = (arrays[k] for k in KEYS)
+    standardised = [arrays.get("mean"), arrays.get("std")]
+    return (x_train.dtype == np.float32 and x_test.dtype == np.float32 and y_train.dtype == np.int64 and y_test.dtype == np.int64
+            and x_train.ndim >= 2 and x_train.shape[1:] == x_test.shape[1:] and y_train.shape == (len(x_train),)
+            and y_test.shape == (len(x_test),) and names.dtype.kind == "U" and names.ndim == 1 and len(names) > 0
+            and bool(np.all((y_train >= 0) & (y_train < len(names)))) and bool(np.all((y_test >= 0) & (y_test < len(names))))
+            and bool(np.isfinite(x_train).all()) and bool(np.isfinite(x_test).all())
+            and (all(s is None for s in standardised)
+                 or all(s is not None and s.dtype == np.float64 and s.shape == x_train.shape[1:] for s in standardised)))
+
+
+def write_split(path: Path | None, arrays: dict[str, np.ndarray]) -> None:
+    """Keep ``arrays`` at ``path``, whole or not at all (written aside, then renamed: device
+    processes started together may all write it)."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".npz.partial")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:  # a read-only home: the split is computed each time
+        log.info("not caching the split in %s: %s", path, exc)
