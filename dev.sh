@@ -40,6 +40,15 @@ pick_python() {
 }
 
 setup_venv() {
+    install_venv
+    # An editable install leaves edgefl's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
+    # is set (CI images often set it) every process compiles them again on import: about 3 s of CPU
+    # for each `edgefl client` a fleet starts. Compiled once here (only changed files are redone),
+    # Python reads the cached bytecode whatever that variable says.
+    "$VENV/bin/python" -m compileall -q -j 0 edgefl exporters server examples bench tests >/dev/null || true
+}
+
+install_venv() {
     local stamp="$VENV/.edgefl-stamp" want
     want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
     if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return 0; fi
