@@ -237,7 +237,7 @@ def _timed_fedavg() -> RunConfig:
         {"model": "mlp", "count": 2, "profile": "pi4-4gb", "options": {"hidden": [16]}},
         {"model": "mlp", "count": 2, "profile": "pi-zero-2w", "options": {"hidden": [16]}},
     ]}
-    raw["asynchronous"] = {"time_budget_s": 0.6, "eval_every_s": 0.1, "buffer_size": 3}
+    raw["asynchronous"] = {"time_budget_s": 0.12, "eval_every_s": 0.02, "buffer_size": 3}
     raw.setdefault("simulation", {})["checkpoint_every"] = 1
     return RunConfig.model_validate(raw)
 
