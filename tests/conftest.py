@@ -65,6 +65,8 @@ def _generators(raw: dict) -> None:
     cvae = {"model": "cvae-small", "count": 2, "options": {"hidden": 64}}
     mlp = {"model": "mlp", "count": 2, "options": {"hidden": [32, 16]}}
     raw["fleet"]["groups"] = [cvae, {**cvae}] if raw["method"]["name"] == "fedcvae" else [mlp, cvae]
+    if raw["method"]["name"] == "fedcvae":  # its server trains a VGG-9 from scratch: a narrow one (70 M weights at full width)
+        raw["method"]["global_model_options"] = {"width": 0.0625}
 
 
 RECIPES = {"chfl": _chfl, "felo": _features(32), "velo": _features(32), "fedin": _resnets,
