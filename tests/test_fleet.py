@@ -5,6 +5,7 @@ deadlines with a dead device, and a fleet reproducing the simulation of the same
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -669,7 +670,10 @@ def test_a_device_dying_mid_upload_leaves_a_partial_that_is_collected_and_the_ro
 
 # --- command-line failure paths (no broker needed: each fails before connecting) -------------------
 def _edgefl(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "edgefl", *args], capture_output=True, text=True, timeout=timeout)
+    # wide lines: rich wraps at 80 columns without a terminal, and where a message containing a
+    # temporary path wraps depends on that path's length
+    return subprocess.run([sys.executable, "-m", "edgefl", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "400"})
 
 
 def test_cli_broker_config_writes_a_configuration_and_never_overwrites_one(tmp_path):
