@@ -54,15 +54,15 @@ class Halve(Filter):
 class EchoOptions(FilterOptions):
     silent: list[str] = []  # devices that never answer (to test dropouts)
     quorum: float = 0.5
+    deadline_s: float = 20.0  # how long a fleet waits for the silent ones
 
 
 class EchoStage(Stage):
     name = "echo"
     when = "before"
-    deadline_s = 20.0
-
-    def __init__(self, quorum: float) -> None:
+    def __init__(self, quorum: float, deadline_s: float) -> None:
         self.quorum = quorum
+        self.deadline_s = deadline_s
         self.closed: list[tuple[int, list[str], list[str]]] = []
 
     def nonce(self, round_no: int, device: str) -> int:
@@ -88,7 +88,7 @@ class Echo(Filter):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.stage = EchoStage(self.options.quorum)
+        self.stage = EchoStage(self.options.quorum, self.options.deadline_s)
 
     def server_stages(self) -> list[Stage]:
         return [self.stage]
@@ -146,7 +146,7 @@ def test_filters_and_a_stage_leave_a_simulation_s_numbers_unchanged_and_are_reco
     assert all(0 < r["bytes_up"] - p["bytes_up"] <= 4 * 32 for r, p in zip(records, plain_records))
     assert [r["stages"] for r in records] == [{"echo": {"asked": 4, "answered": 4, "dropped": []}}] * 2
     run = json.loads((tmp_path / "filtered" / "run.json").read_text())
-    assert run["filters"] == [{"name": "test-halve", "factor": 0.5}, {"name": "test-echo", "silent": [], "quorum": 0.5}]
+    assert run["filters"] == [{"name": "test-halve", "factor": 0.5}, {"name": "test-echo", "silent": [], "quorum": 0.5, "deadline_s": 20.0}]
     assert "filters" not in json.loads((tmp_path / "plain" / "run.json").read_text())
     (config,) = [p for p in (tmp_path / "filtered").glob("config.toml")]
     assert "test-halve" in config.read_text()  # config.toml keeps the chain: the run can be replayed
@@ -201,7 +201,8 @@ def test_the_same_filters_and_stage_run_the_same_in_a_fleet(tmp_path):
     from edgefl.sim import Simulation
     from tests.mosquitto import mosquitto
 
-    cfg = _config(filters=[{"name": "test-halve"}, {"name": "test-echo", "silent": ["client-2"]}], mlps_only=True)
+    # client-2 never answers the stage: each round waits the stage's deadline for it, in seconds of wall time
+    cfg = _config(filters=[{"name": "test-halve"}, {"name": "test-echo", "silent": ["client-2"], "deadline_s": 5.0}], mlps_only=True)
     Simulation(cfg, RunDir.create(tmp_path / "sim", cfg.name, cfg.seed), show_progress=False).run()
     with mosquitto(tmp_path) as broker:
         results: dict = {}
