@@ -216,7 +216,7 @@ def test_a_fleet_runs_asynchronously_with_a_late_joiner_and_a_leaver(tmp_path):
 
     base = fleet_config("fedhe", rounds=10_000, federation="async-fleet")
     raw = base.to_dict()
-    raw.update(mode="async", asynchronous={"time_budget_s": 40.0, "eval_every_s": 10.0})
+    raw.update(mode="async", asynchronous={"time_budget_s": 25.0, "eval_every_s": 5.0})
     cfg = RunConfig.model_validate(raw)
     path = tmp_path / "run.toml"
     path.write_text(cfg.to_toml())

@@ -221,8 +221,9 @@ def test_the_command_line_serves_beside_a_fleet_and_refuses_what_is_not_a_run(tm
     from tests.test_cli import ROOT, edgefl
 
     out = tmp_path / "run"
+    # devices as threads (memory://): what is tested is the command's page; the browser test above runs device processes
     res = edgefl("fleet", str(ROOT / "examples" / "fedhe_digits_quick.toml"), "--set", "rounds=1", "--set", "threads=1",
-                 "--out", str(out), "--dashboard", "127.0.0.1:0")
+                 "--out", str(out), "--dashboard", "127.0.0.1:0", "--broker", "memory://dashboard-cli")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "dashboard: http://127.0.0.1:" in res.stderr
     assert json.loads((out / "live.json").read_text())["status"] == "finished"
