@@ -73,7 +73,7 @@ def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table
     out = tmp_path / "chfl"
     # a cell that cannot finish in the probe (many rounds) and one that does (three rounds): both estimated
     cmd = [sys.executable, str(ROOT / "bench" / "paper.py"), "chfl", "--out", str(out), "--cells", "chfl-iid-s0",
-           "--set", "rounds=100000", "--set", "eval.every=5", "--probe", "25"]
+           "--set", "rounds=100000", "--set", "eval.every=5", "--probe", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
     probe = json.loads((out / "probe.json").read_text())
