@@ -224,7 +224,7 @@ def test_a_sklearn_split_is_read_back_from_the_cache_without_importing_sklearn(n
     assert json.loads(out) == [pytest.approx(float(first.x_train.sum()))]
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong dtype", "pickled object", "label out of range"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong dtype", "pickled object", "label out of range", "samples missing"])
 def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
     from edgefl.data.datasets import cache_dir
 
@@ -239,8 +239,10 @@ def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
         np.savez(path, **{**arrays, "x_train": arrays["x_train"].astype(np.float64)})
     elif damage == "pickled object":
         np.savez(path, **{**arrays, "class_names": np.array([object()] * 10, dtype=object)})
-    else:
+    elif damage == "label out of range":
         np.savez(path, **{**arrays, "y_train": arrays["y_train"] + 10})
+    else:
+        np.savez(path, **{**arrays, "x_train": arrays["x_train"][:-1], "y_train": arrays["y_train"][:-1]})
     assert _same_dataset(load_dataset("digits"), good)
     assert dict(np.load(path)).keys() == arrays.keys()  # written again
     assert _same_dataset(load_dataset("digits"), good)

@@ -93,6 +93,8 @@ IDX_SOURCES: dict[str, IdxSource] = {
 }
 
 SKLEARN_SETS = ("digits", "breast-cancer")
+#: what scikit-learn ships of each (samples, input shape as edgefl reads it, classes): a cached split must hold as much
+SKLEARN_SIZES = {"digits": (1797, (1, 8, 8), 10), "breast-cancer": (569, (30,), 2)}
 #: one's own MNIST-format data: ``dataset = "idx"`` with ``data_dir``, ``idx_name`` and ``classes``
 GENERIC_IDX = "idx"
 DATASET_NAMES = (*IDX_SOURCES, GENERIC_IDX, *SKLEARN_SETS)
@@ -316,7 +318,7 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
     if name not in SKLEARN_SETS:
         raise DataError(f"unknown scikit-learn dataset {name!r}")
     cached = split_path(cache_dir(), name, test_fraction, split_seed)
-    arrays = read_split(cached)
+    arrays = read_split(cached, *SKLEARN_SIZES[name])
     if arrays is None:
         arrays = _split_with_sklearn(name, test_fraction, split_seed)
         write_split(cached, arrays)

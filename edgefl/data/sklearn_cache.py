@@ -37,8 +37,9 @@ def split_path(root: Path, name: str, test_fraction: float, split_seed: int) -> 
     return root / "sklearn" / f"{name}-sklearn{version}-test{test_fraction!r}-seed{int(split_seed)}.npz"
 
 
-def read_split(path: Path | None) -> dict[str, np.ndarray] | None:
-    """The arrays kept at ``path``, or None when there is no usable file."""
+def read_split(path: Path | None, samples: int, input_shape: tuple[int, ...], classes: int) -> dict[str, np.ndarray] | None:
+    """The arrays kept at ``path``, or None when there is no usable file (one whose split does not
+    hold ``samples`` inputs of ``input_shape`` over ``classes`` classes is not usable)."""
     if path is None or not path.is_file():
         return None
     try:
@@ -49,13 +50,15 @@ def read_split(path: Path | None) -> dict[str, np.ndarray] | None:
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a torn or foreign file: computed again
         log.info("ignoring the cached split %s: %s", path, exc)
         return None
-    return arrays if _is_a_split(arrays) else None
+    return arrays if _is_a_split(arrays, samples, input_shape, classes) else None
 
 
-def _is_a_split(arrays: dict[str, np.ndarray]) -> bool:
+def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[int, ...], classes: int) -> bool:
     if not all(k in arrays for k in KEYS):
         return False
     x_train, y_train, x_test, y_test, names = (arrays[k] for k in KEYS)
+    if len(x_train) + len(x_test) != samples or x_train.shape[1:] != input_shape or names.shape != (classes,):
+        return False
     standardised = [arrays.get("mean"), arrays.get("std")]
     return (x_train.dtype == np.float32 and x_test.dtype == np.float32 and y_train.dtype == np.int64 and y_test.dtype == np.int64
             and x_train.ndim >= 2 and x_train.shape[1:] == x_test.shape[1:] and y_train.shape == (len(x_train),)
