@@ -224,7 +224,29 @@ def test_a_sklearn_split_is_read_back_from_the_cache_without_importing_sklearn(n
     assert json.loads(out) == [pytest.approx(float(first.x_train.sum()))]
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong dtype", "pickled object", "label out of range", "samples missing"])
+DAMAGES = ["garbage", "truncated", "wrong dtype", "pickled object", "label out of range", "samples missing", "a terabyte promised",
+           "a scaling it does not have"]
+
+
+def _promising_a_terabyte(path: Path, arrays: dict) -> None:
+    """An .npz whose x_train header claims 10^11 images (and holds none): loading it would ask for
+    23 TiB."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for key, value in arrays.items():
+            if key == "x_train":
+                header = io.BytesIO()
+                np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**11, 1, 8, 8)})
+                archive.writestr("x_train.npy", np.lib.format.magic(1, 0) + header.getvalue())
+            else:
+                buffer = io.BytesIO()
+                np.save(buffer, value)
+                archive.writestr(f"{key}.npy", buffer.getvalue())
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
     from edgefl.data.datasets import cache_dir
 
@@ -241,11 +263,43 @@ def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
         np.savez(path, **{**arrays, "class_names": np.array([object()] * 10, dtype=object)})
     elif damage == "label out of range":
         np.savez(path, **{**arrays, "y_train": arrays["y_train"] + 10})
+    elif damage == "a terabyte promised":
+        _promising_a_terabyte(path, arrays)
+    elif damage == "a scaling it does not have":  # digits are not standardised: a mean and std of 8x8 images is not its split
+        np.savez(path, **arrays, mean=np.zeros((1, 8, 8)), std=np.ones((1, 8, 8)))
     else:
         np.savez(path, **{**arrays, "x_train": arrays["x_train"][:-1], "y_train": arrays["y_train"][:-1]})
     assert _same_dataset(load_dataset("digits"), good)
     assert dict(np.load(path)).keys() == arrays.keys()  # written again
     assert _same_dataset(load_dataset("digits"), good)
+
+
+def test_a_standardised_set_whose_cache_lost_its_scaling_is_computed_again(isolated):
+    """breast-cancer's exports normalise with the training mean and std: a cached split without
+    them (or with a zero std) would train the same and export without normalisation."""
+    from edgefl.data.datasets import cache_dir
+
+    good = load_dataset("breast-cancer")
+    assert good.standardisation is not None
+    path = next((cache_dir() / "sklearn").glob("breast-cancer-*.npz"))
+    arrays = dict(np.load(path))
+    for broken in ({k: v for k, v in arrays.items() if k != "std"}, {**arrays, "std": np.zeros(30)}):
+        np.savez(path, **broken)
+        assert _same_dataset(load_dataset("breast-cancer"), good)
+
+
+@pytest.mark.parametrize("value", ["", "relative/cache"])
+def test_an_empty_or_relative_xdg_cache_home_is_ignored(value, monkeypatch, tmp_path):
+    """The XDG specification ignores both; used as given, they put the cache in whatever folder the
+    command runs in (edgefl's own package, run from a checkout)."""
+    from edgefl.data.datasets import cache_dir
+    from edgefl.userdirs import cache_home, state_home
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", value)
+    monkeypatch.setenv("XDG_STATE_HOME", value)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "edgefl" / "datasets"
+    assert cache_home() == tmp_path / "home" / ".cache" and state_home() == tmp_path / "home" / ".local" / "state"
 
 
 def test_a_cache_folder_that_cannot_be_written_only_costs_the_import(isolated, monkeypatch):

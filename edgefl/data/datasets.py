@@ -32,6 +32,7 @@ import torch
 from edgefl.data.idx import read_idx
 from edgefl.data.sklearn_cache import read_split, split_path, write_split
 from edgefl.errors import DataError
+from edgefl.userdirs import cache_home
 
 FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -132,7 +133,7 @@ class Dataset:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edgefl" / "datasets"
+    return cache_home() / "edgefl" / "datasets"
 
 
 def search_roots(data_dir: str | Path | None) -> list[Path]:
@@ -318,7 +319,7 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
     if name not in SKLEARN_SETS:
         raise DataError(f"unknown scikit-learn dataset {name!r}")
     cached = split_path(cache_dir(), name, test_fraction, split_seed)
-    arrays = read_split(cached, *SKLEARN_SIZES[name])
+    arrays = read_split(cached, *SKLEARN_SIZES[name], standardised=name == "breast-cancer")
     if arrays is None:
         arrays = _split_with_sklearn(name, test_fraction, split_seed)
         write_split(cached, arrays)

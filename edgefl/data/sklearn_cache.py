@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
 import os
 import tempfile
 import zipfile
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 #: the arrays of a split: inputs float32, labels int64, class names as text
 KEYS = ("x_train", "y_train", "x_test", "y_test", "class_names")
+#: a standardised set's per-feature mean and std (float64), what its exports normalise with
+SCALING = ("mean", "std")
 #: a split of these small sets is well under this; a larger file is not one this module wrote
 MAX_CACHE_BYTES = 64 << 20
 
@@ -37,36 +40,60 @@ def split_path(root: Path, name: str, test_fraction: float, split_seed: int) -> 
     return root / "sklearn" / f"{name}-sklearn{version}-test{test_fraction!r}-seed{int(split_seed)}.npz"
 
 
-def read_split(path: Path | None, samples: int, input_shape: tuple[int, ...], classes: int) -> dict[str, np.ndarray] | None:
-    """The arrays kept at ``path``, or None when there is no usable file (one whose split does not
-    hold ``samples`` inputs of ``input_shape`` over ``classes`` classes is not usable)."""
-    if path is None or not path.is_file():
+def read_split(path: Path | None, samples: int, input_shape: tuple[int, ...], classes: int,
+               standardised: bool) -> dict[str, np.ndarray] | None:
+    """The arrays kept at ``path``, or None when there is no usable file: one whose split does not
+    hold ``samples`` inputs of ``input_shape`` over ``classes`` classes, with the per-feature mean
+    and std exactly when the set is ``standardised``, is not usable."""
+    if path is None:
         return None
     try:
-        if path.stat().st_size > MAX_CACHE_BYTES:
+        if not path.is_file() or path.stat().st_size > MAX_CACHE_BYTES:
             return None
+        with zipfile.ZipFile(path) as archive:
+            if not _headers_fit(archive):
+                return None
         with np.load(path, allow_pickle=False) as stored:
             arrays = {k: stored[k] for k in stored.files}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a torn or foreign file: computed again
+    except (OSError, ValueError, KeyError, EOFError, MemoryError, zipfile.BadZipFile) as exc:  # torn or foreign: computed again
         log.info("ignoring the cached split %s: %s", path, exc)
         return None
-    return arrays if _is_a_split(arrays, samples, input_shape, classes) else None
+    return arrays if _is_a_split(arrays, samples, input_shape, classes, standardised) else None
 
 
-def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[int, ...], classes: int) -> bool:
-    if not all(k in arrays for k in KEYS):
+def _headers_fit(archive: zipfile.ZipFile) -> bool:
+    """Every member is a plain .npy array whose header promises no more than the size limit, read
+    before any array is: a header may promise terabytes, or a small file unpack to gigabytes."""
+    members = archive.infolist()
+    if len(members) > 2 * len(KEYS) or sum(m.file_size for m in members) > MAX_CACHE_BYTES:
+        return False
+    for member in members:
+        with archive.open(member) as f:
+            major, _ = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+        if dtype.hasobject or math.prod(shape) * dtype.itemsize > MAX_CACHE_BYTES:
+            return False
+    return True
+
+
+def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[int, ...], classes: int, standardised: bool) -> bool:
+    if not all(k in arrays for k in KEYS) or set(arrays) - set(KEYS) - set(SCALING):
         return False
     x_train, y_train, x_test, y_test, names = (arrays[k] for k in KEYS)
     if len(x_train) + len(x_test) != samples or x_train.shape[1:] != input_shape or names.shape != (classes,):
         return False
-    standardised = [arrays.get("mean"), arrays.get("std")]
-    return (x_train.dtype == np.float32 and x_test.dtype == np.float32 and y_train.dtype == np.int64 and y_test.dtype == np.int64
-            and x_train.ndim >= 2 and x_train.shape[1:] == x_test.shape[1:] and y_train.shape == (len(x_train),)
-            and y_test.shape == (len(x_test),) and names.dtype.kind == "U" and names.ndim == 1 and len(names) > 0
-            and bool(np.all((y_train >= 0) & (y_train < len(names)))) and bool(np.all((y_test >= 0) & (y_test < len(names))))
-            and bool(np.isfinite(x_train).all()) and bool(np.isfinite(x_test).all())
-            and (all(s is None for s in standardised)
-                 or all(s is not None and s.dtype == np.float64 and s.shape == x_train.shape[1:] for s in standardised)))
+    if not standardised:
+        scaled = all(k not in arrays for k in SCALING)
+    else:
+        mean, std = arrays.get("mean"), arrays.get("std")
+        scaled = (mean is not None and std is not None and mean.dtype == std.dtype == np.float64 and mean.shape == std.shape == input_shape
+                  and bool(np.isfinite(mean).all()) and bool(np.isfinite(std).all()) and bool((std > 0).all()))
+    return (scaled and x_train.dtype == np.float32 and x_test.dtype == np.float32 and y_train.dtype == np.int64
+            and y_test.dtype == np.int64 and y_train.shape == (len(x_train),) and y_test.shape == (len(x_test),)
+            and names.dtype.kind == "U"
+            and bool(np.all((y_train >= 0) & (y_train < classes))) and bool(np.all((y_test >= 0) & (y_test < classes)))
+            and bool(np.isfinite(x_train).all()) and bool(np.isfinite(x_test).all()))
 
 
 def write_split(path: Path | None, arrays: dict[str, np.ndarray]) -> None:

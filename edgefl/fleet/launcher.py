@@ -37,6 +37,7 @@ from edgefl.config import RunConfig
 from edgefl.filters import build_chain
 from edgefl.rundir import RunDir
 from edgefl.transport.topics import Topics, device_ids
+from edgefl.userdirs import state_home
 
 log = logging.getLogger("edgefl.device")
 
@@ -48,8 +49,7 @@ def federation(cfg: RunConfig) -> str:
 
 def device_state_dir(federation_name: str, device_id: str) -> Path:
     """Where ``edgefl client`` keeps a device's state unless told (``$XDG_STATE_HOME/edgefl/...``)."""
-    root = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-    return root / "edgefl" / federation_name / device_id
+    return state_home() / "edgefl" / federation_name / device_id
 
 
 def training_digest(cfg: RunConfig) -> str:

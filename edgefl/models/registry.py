@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from edgefl.errors import ConfigError
+from edgefl.userdirs import cache_home
 
 Kind = Literal["classifier", "generator"]
 
@@ -227,7 +228,7 @@ def _cache_path() -> Path:
     digest = hashlib.sha256(torch.__version__.encode())
     for source in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(source.read_bytes())
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgefl"
+    root = cache_home() / "edgefl"
     return root / f"model-info-{digest.hexdigest()[:16]}.json"
 
 
