@@ -132,21 +132,23 @@ def simulate(
     run = RunDir(out_dir) if resume else RunDir.create(out_dir, cfg.name, cfg.seed)
     n = cfg.fleet.num_clients
     sim = Simulation(cfg, run, console=err, show_progress=not quiet, parts=parts)
+    written = run.recorded_rounds() if resume else 0  # the records before the resume: those past the checkpoint are played again
     first = sim.resume() if resume else 1  # a refused resume says why before any header with the new config's numbers
     err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
     _say_data(parts)
     stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
     if resume:
-        # a finished run whose last checkpoint came before its end plays its last rounds again (the same numbers): said
+        # records written after the checkpoint (a finished run's last ones, a crash past it) are played again: said
         had_finished = "this run had finished; " if _finished(run) else ""
+        again = written - len(sim.history)
+        replay = f"; the {_count(again, 'record')} written after it {'is' if again == 1 else 'are'} played again, with the same numbers" \
+            if again > 0 else ""
         if cfg.mode == "async":
-            err.print(had_finished
-                      + f"resuming after server update {first - 1} of {cfg.rounds} (the checkpoint after record {len(sim.history)}; "
-                      "the updates since are played again, with the same numbers)")
+            err.print(had_finished + f"resuming after server update {first - 1} of {cfg.rounds} "
+                      f"(the checkpoint after record {len(sim.history)}{replay})")
         elif first <= cfg.rounds:
-            err.print(had_finished + f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1}"
-                      + ("; the rounds after it are played again, with the same numbers)" if had_finished else ")"))
+            err.print(had_finished + f"resuming at round {first} of {cfg.rounds} (the checkpoint after round {first - 1}{replay})")
         else:
             err.print(f"all {cfg.rounds} rounds were played: nothing left to resume, the results are written again")
     try:
@@ -160,8 +162,11 @@ def simulate(
             out.print(accuracy_table(run))
         again = (f"; continue it: edgefl simulate --resume --out {run.path}" if cfg.simulation.checkpoint_every
                  and (run.path / "server-state.safetensors").is_file() else "")
-        played = (f"{done} records ({run.metrics()[-1]['round'] if done else 0} of {cfg.rounds} server updates; a resume goes on "
-                  "from the last checkpoint, playing the records since it again)" if cfg.mode == "async"
+        tag = sim.session.checkpoint_tag  # an async checkpoint's tag: "update:records:counter"
+        current = cfg.mode == "async" and tag.count(":") == 2 and int(tag.split(":")[1]) == done  # taken at the stop
+        played = (f"{done} records ({run.metrics()[-1]['round'] if done else 0} of {cfg.rounds} server updates; "
+                  + ("checkpointed at the stop)" if current else
+                     "a resume goes on from the last checkpoint, playing the records since it again)") if cfg.mode == "async"
                   else f"{done} of {cfg.rounds} rounds")
         err.print(f"interrupted ({stop.signal_name or 'SIGINT'}) after {played}; models, summary and "
                   f"plots of what ran are in {run.path} (edgefl report {run.path}){again}")
@@ -388,6 +393,10 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
                           + (f", {safe(rate, 1000)}" if (rate := lr_note(info)) else ""))
     return on_event
 
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _few(ids: list[str], show: int = 8) -> str:

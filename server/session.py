@@ -231,6 +231,27 @@ class RunSession:
                 client["stage"] = "not joined"
         self.run_dir.write_json("partition.json", record)
 
+    def _no_checkpoint(self) -> ConfigError:
+        """Why there is nothing to resume: not a run, or a run that recorded rounds (or finished)
+        before its first checkpoint."""
+        recorded = self.run_dir.recorded_rounds() if self.run_dir is not None else 0
+        if not recorded:
+            return ConfigError("nothing to resume: the run directory holds no server state",
+                               hint="pass the --out folder of the interrupted run, or drop --resume")
+        every = self.cfg.simulation.checkpoint_every
+        try:
+            finished = self.run_dir.read_json("summary.json").get("interrupted") is False
+        except (OSError, ValueError, AttributeError):
+            finished = False
+        when = (f"it checkpoints every {every} {'records' if self.cfg.mode == 'async' else 'rounds'} "
+                "(simulation.checkpoint_every)" if every else "simulation.checkpoint_every is 0")
+        if finished:
+            return ConfigError(f"nothing to resume: this run finished after {recorded} records without a checkpoint ({when}); "
+                               "its results stay as they are", hint="to play it again, start it with another --out")
+        return ConfigError(f"nothing to resume: this run stopped after {recorded} records, before its first checkpoint ({when})",
+                           hint="start it again with another --out (this folder keeps what it recorded); "
+                                "a lower simulation.checkpoint_every saves sooner")
+
     def resume(self) -> int:
         """Restore the server half and the metrics from the run directory (before any connection
         is made); returns the first round still to play."""
@@ -240,8 +261,7 @@ class RunSession:
                               "an asynchronous simulation can: edgefl simulate --resume)",
                               hint="start it again; asynchronous.time_budget_s or a lower rounds keeps runs short")
         if self.run_dir is None or not (self.run_dir.path / STATE_FILE).is_file():
-            raise ConfigError("nothing to resume: the run directory holds no server state",
-                              hint="pass the --out folder of the interrupted run, or drop --resume")
+            raise self._no_checkpoint()
         extra = load_state(self.server, self.run_dir.path / STATE_FILE)
         saved_digest = extra.get("config_sha256")
         legacy = legacy_digests(self.cfg)

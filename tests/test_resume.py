@@ -148,8 +148,28 @@ def test_resuming_a_finished_sync_run_says_it_had_finished_when_it_plays_rounds_
     before = _records(out)
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
     assert res.exit_code == 0, res.output
-    assert "this run had finished; resuming at round 3 of 3" in " ".join(res.output.split())
+    assert ("this run had finished; resuming at round 3 of 3 (the checkpoint after round 2; the 1 record written after it is "
+            "played again, with the same numbers)") in " ".join(res.output.split())
     assert _records(out) == before
+
+
+def test_a_run_that_ended_before_its_first_checkpoint_says_why_there_is_nothing_to_resume(tmp_path):
+    from edgefl.cli import app
+
+    cfg = _config("fedavg", rounds=2, every=3)
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    out = tmp_path / "run"
+    assert CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--quiet"]).exit_code == 0
+    res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
+    assert isinstance(res.exception, ConfigError)
+    text = " ".join(f"{res.exception} {res.exception.hint}".split())
+    assert "this run finished after 2 records without a checkpoint (it checkpoints every 3 rounds" in text
+    assert "results stay as they are" in text and "another --out" in text
+    (out / "summary.json").unlink()  # as after a crash: rounds recorded, no summary, no checkpoint
+    res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
+    text = " ".join(f"{res.exception} {res.exception.hint}".split())
+    assert "stopped after 2 records, before its first checkpoint" in text and "a lower simulation.checkpoint_every" in text
 
 
 def test_what_cannot_be_resumed_is_refused_with_the_reason(tmp_path):
@@ -312,9 +332,11 @@ def test_the_command_line_resumes_an_asynchronous_run(tmp_path):
         StopRequest.requested = real
     assert res.exit_code == 130, res.output
     assert "edgefl simulate --resume --out" in res.output and "of 8 server updates" in res.output
+    at_the_stop = "checkpointed at the stop" in " ".join(res.output.split())
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
     assert res.exit_code == 0, res.output
     assert "resuming after server update" in res.output and "this run had finished" not in res.output
+    assert ("played again" in res.output) != at_the_stop  # a replay is announced only when the stop kept no checkpoint
     assert _records(out) == _records(whole)
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])  # once more: it had finished
     assert res.exit_code == 0 and "this run had finished" in res.output
