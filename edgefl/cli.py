@@ -140,7 +140,7 @@ def simulate(
     stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
     if resume:
         # records written after the checkpoint (a finished run's last ones, a crash past it) are played again: said
-        had_finished = "this run had finished; " if _finished(run) else ""
+        had_finished = "this run had finished; " if run.finished() else ""
         again = written - len(sim.history)
         replay = f"; the {_count(again, 'record')} written after it {'is' if again == 1 else 'are'} played again, with the same numbers" \
             if again > 0 else ""
@@ -517,7 +517,7 @@ def server(
         if out_dir is None:
             raise EdgeflError("--resume needs --out: the run directory of the interrupted run")
         run = RunDir(out_dir)
-        if _finished(run):  # resuming would rewrite its summary, models and plots with nothing played
+        if run.finished():  # resuming would rewrite its summary, models and plots with nothing played
             err.print(f"{run.path} holds a finished run: nothing to resume (its results stay as they are)")
             return
     else:
@@ -534,14 +534,6 @@ def server(
     out.print(f"final accuracy {acc['overall']:.4f}" if acc else "no evaluated round")
     _fail_on_interrupt(summary, stop, run.path, f" (continue it: edgefl server ... --out {run.path} --resume)")
     _fail_on_failed_rounds(summary, run.path)
-
-
-def _finished(run: Any) -> bool:
-    """Whether a run directory's summary says the run ended by itself (not interrupted)."""
-    try:
-        return run.read_json("summary.json").get("interrupted") is False
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 @app.command()

@@ -64,6 +64,13 @@ class RunDir:
         with path.open("rb") as fh:
             return sum(1 for line in fh if line.strip())
 
+    def finished(self) -> bool:
+        """Whether the run's summary says it ended by itself (not interrupted, not crashed)."""
+        try:
+            return self.read_json("summary.json").get("interrupted") is False
+        except (OSError, ValueError, AttributeError):
+            return False
+
     def discard_unrecorded(self, check_only: bool = False, written_here: bool = False) -> None:
         """Delete this run directory, which must have recorded no round and (unless this process
         made and filled it: ``written_here``) hold nothing but what a run writes; else an

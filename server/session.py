@@ -239,13 +239,9 @@ class RunSession:
             return ConfigError("nothing to resume: the run directory holds no server state",
                                hint="pass the --out folder of the interrupted run, or drop --resume")
         every = self.cfg.simulation.checkpoint_every
-        try:
-            finished = self.run_dir.read_json("summary.json").get("interrupted") is False
-        except (OSError, ValueError, AttributeError):
-            finished = False
         when = (f"it checkpoints every {every} {'records' if self.cfg.mode == 'async' else 'rounds'} "
                 "(simulation.checkpoint_every)" if every else "simulation.checkpoint_every is 0")
-        if finished:
+        if self.run_dir.finished():
             return ConfigError(f"nothing to resume: this run finished after {recorded} records without a checkpoint ({when}); "
                                "its results stay as they are", hint="to play it again, start it with another --out")
         return ConfigError(f"nothing to resume: this run stopped after {recorded} records, before its first checkpoint ({when})",
