@@ -116,12 +116,17 @@ def test_a_crash_past_the_last_checkpoint_plays_those_rounds_again(tmp_path, mon
     assert first_sitting < wall < first_sitting + (time.monotonic() - t_resume) + 1
 
 
+def _config_file(folder, cfg: RunConfig):
+    path = folder / "run.toml"
+    path.write_text(cfg.to_toml())
+    return path
+
+
 def test_the_command_line_resumes_from_the_run_directory_alone(tmp_path):
     from edgefl.cli import app
 
     cfg = _config("fedavg", rounds=3, every=1)
-    path = tmp_path / "run.toml"
-    path.write_text(cfg.to_toml())
+    path = _config_file(tmp_path, cfg)
     out = tmp_path / "run"
     res = CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--quiet", "--set", "rounds=2"])
     assert res.exit_code == 0, res.output
@@ -141,8 +146,7 @@ def test_resuming_a_finished_sync_run_says_it_had_finished_when_it_plays_rounds_
     from edgefl.cli import app
 
     cfg = _config("fedavg", rounds=3, every=2)
-    path = tmp_path / "run.toml"
-    path.write_text(cfg.to_toml())
+    path = _config_file(tmp_path, cfg)
     out = tmp_path / "run"
     assert CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--quiet"]).exit_code == 0
     before = _records(out)
@@ -157,8 +161,7 @@ def test_a_run_that_ended_before_its_first_checkpoint_says_why_there_is_nothing_
     from edgefl.cli import app
 
     cfg = _config("fedavg", rounds=2, every=3)
-    path = tmp_path / "run.toml"
-    path.write_text(cfg.to_toml())
+    path = _config_file(tmp_path, cfg)
     out = tmp_path / "run"
     assert CliRunner().invoke(app, ["simulate", str(path), "--out", str(out), "--quiet"]).exit_code == 0
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
@@ -314,8 +317,7 @@ def test_the_command_line_resumes_an_asynchronous_run(tmp_path):
     from edgefl.interrupt import StopRequest
 
     cfg = _async_config("fedhe", rounds=8, every=1)
-    path = tmp_path / "run.toml"
-    path.write_text(cfg.to_toml())
+    path = _config_file(tmp_path, cfg)
     whole = tmp_path / "whole"
     assert CliRunner().invoke(app, ["simulate", str(path), "--out", str(whole), "--quiet"]).exit_code == 0
     out = tmp_path / "run"
