@@ -65,7 +65,7 @@ def _headers_fit(archive: zipfile.ZipFile) -> bool:
     """Every member is a plain .npy array whose header promises no more than the size limit, read
     before any array is: a header may promise terabytes, or a small file unpack to gigabytes."""
     members = archive.infolist()
-    if len(members) > 2 * len(KEYS) or sum(m.file_size for m in members) > MAX_CACHE_BYTES:
+    if len(members) > len(KEYS) + len(SCALING) or sum(m.file_size for m in members) > MAX_CACHE_BYTES:
         return False
     for member in members:
         with archive.open(member) as f:
