@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from edgefl.data import Dataset, load_dataset
-from edgefl.errors import DataError
+from edgefl.data.views import View, make_view, view_record
+from edgefl.errors import ConfigError, DataError
 from edgefl.exporters.metadata import write_sidecar
 from edgefl.exporters.parity import ATOL, RTOL, ParityError, check_parity
 from edgefl.exporters.registry import ExportedFile, ExportError, ExportOptions, all_suffixes, chosen_formats
@@ -82,6 +83,7 @@ class ExportInputs:
     labels: torch.Tensor | None
     calibration: list[tuple[torch.Tensor, ...]]
     dataset: Dataset | None = None
+    view: View | None = None  # the device's view of the dataset the inputs went through
 
 
 def exporter_versions() -> dict[str, str | None]:
@@ -116,16 +118,63 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
             raise DataError(f"{src.name}: no dataset to check the export on (the weights do not name one)",
                             hint="pass --dataset NAME (parity and int8 calibration use real samples)")
         dataset = load_dataset(src.dataset)
-    if tuple(dataset.x_test.shape[1:]) != tuple(src.input_shape):
-        raise DataError(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(dataset.x_test.shape[1:])}",
+    view = device_view(src, dataset)
+    raw_shape = tuple(dataset.x_test.shape[1:])
+    if view is not None and tuple(view.input_shape) != raw_shape:
+        raise DataError(f"{src.name} was trained on a view of inputs of shape {list(view.input_shape)}, but {dataset.name} has {list(raw_shape)}",
                         hint="pass the dataset the model was trained on (--dataset)")
+    if view is None and raw_shape != tuple(src.input_shape):
+        raise DataError(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
+                        hint="pass the dataset the model was trained on (--dataset); a device's model trained on a view of the data "
+                             "(fleet.groups[].view) records it from this version on: export that run's models again after re-running it")
     n_test = min(test_samples, len(dataset.y_test))
     test_idx = torch.randperm(len(dataset.y_test), generator=torch.Generator().manual_seed(0))[:n_test].sort().values
     x_test, y_test = dataset.x_test[test_idx], dataset.y_test[test_idx]
     cal_idx = torch.randperm(len(dataset.y_train), generator=gen)[:calibration_samples]
     x_cal = dataset.x_train[cal_idx]
+    if view is not None:  # the model sees what its device saw: the view of each (normalised) sample
+        x_test, x_cal = view.apply(x_test), view.apply(x_cal)
     calib = [(x_cal[i : i + calibration_batch],) for i in range(0, len(x_cal), calibration_batch)]
-    return ExportInputs((x_test[:parity_samples],), (x_test,), y_test, calib, dataset)
+    return ExportInputs((x_test[:parity_samples],), (x_test,), y_test, calib, dataset, view)
+
+
+def device_view(src: ModelSource, dataset: Dataset) -> View | None:
+    """The view a device's model was trained through: recorded in its file, or for a file that
+    recorded only the view's settings, fitted again from the run's seed and the device's id
+    (views are built from those two, edgefl/data/views.py)."""
+    if src.view is not None or src.view_settings is None:
+        return src.view
+    if src.seed is None or src.client_id is None:
+        raise DataError(f"{src.name} was trained on a per-device view ({src.view_settings.kind}) that its file does not record, "
+                        "and its run's seed or device is unknown",
+                        hint="export it from its run directory (run.json holds the seed), or re-run with this version, which records the view")
+    try:
+        return make_view(src.view_settings, tuple(dataset.x_test.shape[1:]), src.seed, src.client_id)
+    except ConfigError as exc:
+        raise DataError(f"{src.name}: its view does not fit {dataset.name}: {exc}", hint="pass the dataset the model was trained on (--dataset)") from None
+
+
+_VIEW_STEPS = {
+    "features": "the model's input i is raw feature columns[i] (of input_shape[0]), standardised with that feature's mean and std",
+    "permute": "normalise the image, flatten it in channel, row, column order, take pixel permutation[i] as pixel i, reshape",
+    "resize": "normalise the image, then resize it bilinearly (half-pixel centres, as align_corners=False) to output_shape",
+    "crop": "normalise the image, then cut the centred output_shape square out of it (the top-left corner at floor((H - size) / 2))",
+    "rgb": "normalise the grey image, then repeat it over three channels and multiply channel c by gains[c]",
+}
+
+
+def describe_view(view: View, norm: dict[str, Any] | None) -> dict[str, Any]:
+    """How a phone turns a raw sample into this model's input (the device's view, with every number
+    it needs). A features view also narrows ``norm``'s per-feature mean and std to its columns, in
+    their order, so that ``normalisation`` describes the model's own input."""
+    record = view_record(view)
+    cols = record.get("columns")
+    if norm is not None and cols is not None and isinstance(norm.get("mean"), list) and len(norm["mean"]) == view.input_shape[0]:
+        norm["mean"] = [norm["mean"][c] for c in cols]
+        norm["std"] = [norm["std"][c] for c in cols]
+        norm["description"] = f"{norm.get('description', '')}; listed for the model's {len(cols)} inputs (the view's columns)".lstrip("; ")
+    return {**record, "steps": _VIEW_STEPS[view.settings.kind],
+            "description": "this device's model was trained on its own view of the data (fleet.groups[].view): build its input as 'steps' says"}
 
 
 def run_in_batches(runner: Callable[..., np.ndarray], inputs: tuple[torch.Tensor, ...], batch: int | None, chunk: int = 256) -> np.ndarray:
@@ -223,6 +272,7 @@ class ExportJob:
             flops = count_flops(self.module, tuple(t[:1] for t in self.sample))
         self.labels = _labels(src, inputs.dataset)
         self.norm = normalisation(src.dataset or (inputs.dataset.name if inputs.dataset else None), inputs.dataset) if self.classifier else None
+        self.view = describe_view(inputs.view, self.norm) if inputs.view is not None else None
         self.base = {
             "model": src.model, "model_options": src.model_options, "kind": src.kind,
             "class_labels": self.labels, "num_classes": src.num_classes,
@@ -231,7 +281,7 @@ class ExportJob:
                        "weights": src.weights_path, "weights_sha256": src.weights_sha256, "dataset": src.dataset},
             "pytorch_test_accuracy": self.torch_acc, "test_samples": len(inputs.labels) if inputs.labels is not None else 0,
             "edgefl_version": edgefl_version(), "exporter_versions": exporter_versions(),
-            "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "normalisation": self.norm,
+            "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "normalisation": self.norm, "view": self.view,
         }
 
     def calibration(self) -> list[tuple[torch.Tensor, ...]]:
@@ -270,6 +320,8 @@ class ExportJob:
                     f"{f.precision}. Input 'input' {f.extra['layout']}" + (f", {how}" if how else "") +
                     "; output 'logits' (argmax = class; labels in "
                     + ("the packed labels.txt)." if f.format == "tflite" else "metadata edgefl.labels).")
+                    + (" The input is this device's own view of a sample (" + ("the sidecar's" if f.format == "tflite" else "metadata edgefl.view")
+                       + " says how to build it)." if self.view else "")
                     + (f" Run {src.run_name or src.run}, round {src.round}." if src.run else ""))
         return (f"edgefl {src.model} decoder: inputs 'z' (latent, N(0, I)) and 'y_onehot' (class), output 'sample' "
                 f"(an image in [0, 1]), {f.precision}.")

@@ -94,7 +94,7 @@ def _describe(job: ExportContext, f: ExportedFile) -> None:
         "edgefl.version": edgefl_version(), "edgefl.model": src.model, "edgefl.model_options": json.dumps(src.model_options),
         "edgefl.kind": src.kind, "edgefl.precision": f.precision, "edgefl.layout": f.extra["layout"],
         "edgefl.dataset": src.dataset or "", "edgefl.labels": json.dumps(job.labels),
-        "edgefl.normalisation": json.dumps(job.norm), "edgefl.run": src.run_name or src.run or "",
+        "edgefl.normalisation": json.dumps(job.norm), "edgefl.view": json.dumps(job.view) if job.view else "", "edgefl.run": src.run_name or src.run or "",
         "edgefl.method": src.method or "", "edgefl.seed": "" if src.seed is None else str(src.seed),
         "edgefl.round": "" if src.round is None else str(src.round), "edgefl.weights_sha256": src.weights_sha256 or "",
     }

@@ -75,6 +75,7 @@ class ExportContext(Protocol):
     parity_inputs: tuple[torch.Tensor, ...]  # real inputs the float files must match PyTorch on
     labels: list[str]
     norm: dict[str, Any] | None  # the input scaling, for classifiers
+    view: dict[str, Any] | None  # the device's view of the data a per-device model takes (CHFL), for classifiers
     written: list[ExportedFile]  # files of the formats that ran before this one
     log: Callable[[str], None]
 

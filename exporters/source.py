@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgefl.data.views import View, ViewSettings, view_from_record
 from edgefl.errors import EdgeflError
 from edgefl.models import build_model, get_spec
 
@@ -44,6 +45,9 @@ class ModelSource:
     run_name: str | None = None  # from the run's run.json, when the weights came from a run
     method: str | None = None
     seed: int | None = None
+    view: View | None = None  # the device's feature space the model was trained on (CHFL's views)
+    view_settings: ViewSettings | None = None  # a file saved before the fitted view was recorded: refit from seed and device
+    client_id: str | None = None  # the device whose private model this is
 
     @property
     def latent_dim(self) -> int | None:
@@ -115,13 +119,34 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
 
     run = path.parent.parent if path.parent.name == "models" else None
     facts = _run_facts(run) if run is not None else {}
+    view, view_settings = _view(meta.get("view"), shape, path)
+    client = meta.get("client_id")
     return ModelSource(
         name=path.stem, model=name, model_options=options, module=module, kind=kind, num_classes=classes,
         input_shape=shape, class_names=list(meta.get("class_names") or [str(i) for i in range(classes)]),
         dataset=meta.get("dataset"), run=str(run) if run is not None else None,
         round=meta.get("round"), weights_path=str(path), weights_sha256=sha256_file(path),
-        run_name=facts.get("name"), method=facts.get("method"), seed=facts.get("seed"),
+        run_name=facts.get("name"), method=facts.get("method"), seed=facts.get("seed"), view=view, view_settings=view_settings,
+        client_id=client[:200] if isinstance(client, str) else None,
     )
+
+
+def _view(record: Any, input_shape: tuple[int, ...], path: Path) -> tuple[View | None, ViewSettings | None]:
+    """The fitted view a device's model was trained through, checked against the model's input
+    (or, from a file that recorded the view's settings only, those settings)."""
+    if record is None:
+        return None, None
+    try:
+        if isinstance(record, dict) and "input_shape" not in record:
+            return None, ViewSettings.model_validate(record)
+        view = view_from_record(record)
+    except ValueError as exc:
+        raise ExportSourceError(f"{path} was trained on a per-device view of the data, but its view record is unusable: {exc}",
+                                hint="export it from a run of this edgefl version, or pass a model trained without fleet.groups[].view") from None
+    if tuple(view.output_shape) != tuple(input_shape):
+        raise ExportSourceError(f"{path}: its view gives inputs of shape {list(view.output_shape)}, but the model takes {list(input_shape)}",
+                                hint="the file's metadata is inconsistent; export the run's own models/*.safetensors")
+    return view, None
 
 
 def _run_facts(run: Path) -> dict[str, Any]:

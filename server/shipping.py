@@ -25,6 +25,7 @@ import torch
 from edgefl.build import DeviceSlot
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
+from edgefl.data.views import view_record
 from edgefl.models import get_spec
 from edgefl.rundir import RunDir
 
@@ -93,7 +94,8 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
                 name = f"ship-{safe_name(arch)}"
                 run_dir.save_model(name, device_models[best.client_id],
                                    {**meta, "arch": arch, "model": best.model, "model_options": best.model_options, "scope": "ship",
-                                    "client_id": best.client_id, "input_shape": list(best.input_shape(ds)), "accuracy": acc})
+                                    "client_id": best.client_id, "input_shape": list(best.input_shape(ds)), "accuracy": acc,
+                                    "view": view_record(best.view) if best.view else None})
                 entry["file"] = f"models/{name}.safetensors"
             else:
                 entry["file"] = None

@@ -97,3 +97,74 @@ def make_view(settings: ViewSettings, input_shape: tuple[int, ...], seed: int, c
         raise ConfigError("view 'rgb' expects one input channel")
     gains = torch.from_numpy(rng.uniform(0.5, 1.0, 3).astype(np.float32))
     return View(settings, input_shape, (3, h, w), gains=gains)
+
+
+# The fitted view travels with a saved model, so that an export can feed the model what the device
+# fed it (and tell a phone how to build that input) without the run's seed or config.
+_MAX_RECORD_ITEMS = 1 << 20  # a permutation of a 3 x 512 x 512 image; far above any dataset edgefl loads
+
+
+def view_record(view: View) -> dict:
+    """The fitted view as JSON-ready data (a saved model's ``view`` metadata)."""
+    out: dict = {**view.settings.model_dump(exclude_none=True), "input_shape": list(view.input_shape),
+                 "output_shape": list(view.output_shape)}
+    if view.columns is not None:
+        out["columns"] = view.columns.tolist()
+    if view.permutation is not None:
+        out["permutation"] = view.permutation.tolist()
+    if view.gains is not None:
+        out["gains"] = [float(g) for g in view.gains]
+    return out
+
+
+def _shape(value: object, what: str) -> tuple[int, ...]:
+    if (not isinstance(value, list) or not 1 <= len(value) <= 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65536 for v in value)):
+        raise ValueError(f"{what} must be a list of one to three sizes, got {str(value)[:80]}")
+    return tuple(value)
+
+
+def _indices(value: object, what: str, bound: int, count: int) -> torch.Tensor:
+    if not isinstance(value, list) or len(value) != count or count > _MAX_RECORD_ITEMS:
+        raise ValueError(f"{what} must list {count} indices")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < bound for v in value):
+        raise ValueError(f"{what} must hold indices below {bound}")
+    return torch.tensor(value, dtype=torch.long)
+
+
+def view_from_record(record: object) -> View:
+    """Rebuild a fitted view from :func:`view_record`'s data, checking every field (the data come
+    from a file); ValueError says what is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError("the view record is not an object")
+    fitted = {"input_shape", "output_shape", "columns", "permutation", "gains"}
+    settings = ViewSettings.model_validate({k: v for k, v in record.items() if k not in fitted})
+    if "input_shape" not in record:
+        raise ValueError("the view record names its settings only, not the fitted view (a model saved before edgefl recorded it)")
+    inp, out = _shape(record.get("input_shape"), "input_shape"), _shape(record.get("output_shape"), "output_shape")
+    kind, size = settings.kind, 1
+    for d in inp:
+        size *= d
+    view = View(settings, inp, out)
+    if kind == "features":
+        if len(inp) != 1 or len(out) != 1:
+            raise ValueError("a features view maps a vector to a vector")
+        view.columns = _indices(record.get("columns"), "columns", inp[0], out[0])
+        if len(set(view.columns.tolist())) != out[0]:
+            raise ValueError("columns repeat")
+    elif kind == "permute":
+        if out != inp or len(inp) != 3:
+            raise ValueError("a permute view keeps the image's shape")
+        view.permutation = _indices(record.get("permutation"), "permutation", size, size)
+        if len(set(view.permutation.tolist())) != size:
+            raise ValueError("the permutation repeats a pixel")
+    elif kind in ("resize", "crop"):
+        if len(inp) != 3 or out != (inp[0], settings.size, settings.size) or (kind == "crop" and settings.size > min(inp[1:])):
+            raise ValueError(f"a {kind} view of size {settings.size} does not map {list(inp)} to {list(out)}")
+    else:
+        gains = record.get("gains")
+        if (inp[:1] != (1,) or len(inp) != 3 or out != (3, *inp[1:]) or not isinstance(gains, list) or len(gains) != 3
+                or not all(isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g < 1e6 for g in gains)):
+            raise ValueError("an rgb view maps one channel to three with three positive gains")
+        view.gains = torch.tensor(gains, dtype=torch.float32)
+    return view

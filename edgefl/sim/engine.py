@@ -27,6 +27,7 @@ from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federati
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
+from edgefl.data.views import view_record
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.heartbeat import Heartbeat
@@ -329,7 +330,7 @@ class Simulation:
             slot = self.slot_of[cid]
             meta = {**base, "arch": slot.arch, "model": slot.model, "model_options": slot.model_options,
                     "scope": "client", "client_id": cid, "input_shape": list(slot.input_shape(self.ds)),
-                    "view": slot.group.view.model_dump(exclude_none=True) if slot.group.view else None}
+                    "view": view_record(slot.view) if slot.view else None}
             self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
 
 
