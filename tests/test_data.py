@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import http.server
 import threading
 from functools import partial
@@ -212,7 +213,7 @@ def test_a_sklearn_split_is_read_back_from_the_cache_without_importing_sklearn(n
     from edgefl.data.datasets import _split_with_sklearn, cache_dir
 
     first = load_dataset(name)
-    kept = list((cache_dir() / "sklearn").glob(f"{name}-sklearn*.npz"))
+    kept = list((cache_dir() / "sklearn").glob(f"{name}-sklearn*.safetensors"))
     assert len(kept) == 1
     assert _same_dataset(first, load_dataset(name))  # read back: the very tensors scikit-learn's split gave
     fresh = _split_with_sklearn(name, 0.25, 0)
@@ -224,67 +225,70 @@ def test_a_sklearn_split_is_read_back_from_the_cache_without_importing_sklearn(n
     assert json.loads(out) == [pytest.approx(float(first.x_train.sum()))]
 
 
-DAMAGES = ["garbage", "truncated", "wrong dtype", "pickled object", "label out of range", "samples missing", "a terabyte promised",
-           "a scaling it does not have"]
+DAMAGES = ["garbage", "truncated", "wrong dtype", "class names not a list", "class names missing", "label out of range",
+           "samples missing", "a terabyte promised", "a huge header promised", "a scaling it does not have"]
 
 
-def _promising_a_terabyte(path: Path, arrays: dict) -> None:
-    """An .npz whose x_train header claims 10^11 images (and holds none): loading it would ask for
-    23 TiB."""
-    import io
-    import zipfile
+def _safetensors_file(path: Path, header: dict, data: bytes) -> None:
+    """A safetensors file written by hand: an 8-byte little-endian header length, the JSON header, the bytes."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
 
-    with zipfile.ZipFile(path, "w") as archive:
-        for key, value in arrays.items():
-            if key == "x_train":
-                header = io.BytesIO()
-                np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**11, 1, 8, 8)})
-                archive.writestr("x_train.npy", np.lib.format.magic(1, 0) + header.getvalue())
-            else:
-                buffer = io.BytesIO()
-                np.save(buffer, value)
-                archive.writestr(f"{key}.npy", buffer.getvalue())
+
+def _read(path: Path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
+    from safetensors.numpy import save_file
+
     from edgefl.data.datasets import cache_dir
 
     good = load_dataset("digits")
-    path = next((cache_dir() / "sklearn").glob("digits-*.npz"))
-    arrays = dict(np.load(path))
+    path = next((cache_dir() / "sklearn").glob("digits-*.safetensors"))
+    arrays, meta = _read(path)
     if damage == "garbage":
-        path.write_bytes(b"PK\x03\x04" + b"\x00" * 64)
+        path.write_bytes(b"\xff" * 64)
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:1000])
     elif damage == "wrong dtype":
-        np.savez(path, **{**arrays, "x_train": arrays["x_train"].astype(np.float64)})
-    elif damage == "pickled object":
-        np.savez(path, **{**arrays, "class_names": np.array([object()] * 10, dtype=object)})
+        save_file({**arrays, "x_train": arrays["x_train"].astype(np.float64)}, str(path), metadata=meta)
+    elif damage == "class names not a list":
+        save_file(arrays, str(path), metadata={"class_names": json.dumps({"0": "zero"})})
+    elif damage == "class names missing":
+        save_file(arrays, str(path))
     elif damage == "label out of range":
-        np.savez(path, **{**arrays, "y_train": arrays["y_train"] + 10})
-    elif damage == "a terabyte promised":
-        _promising_a_terabyte(path, arrays)
+        save_file({**arrays, "y_train": arrays["y_train"] + 10}, str(path), metadata=meta)
+    elif damage == "a terabyte promised":  # x_train's header claims 10^11 images; the file holds none
+        _safetensors_file(path, {"x_train": {"dtype": "F32", "shape": [10**11, 1, 8, 8], "data_offsets": [0, 4 * 64 * 10**11]}}, b"")
+    elif damage == "a huge header promised":
+        path.write_bytes((10**12).to_bytes(8, "little") + b"{}")
     elif damage == "a scaling it does not have":  # digits are not standardised: a mean and std of 8x8 images is not its split
-        np.savez(path, **arrays, mean=np.zeros((1, 8, 8)), std=np.ones((1, 8, 8)))
+        save_file({**arrays, "mean": np.zeros((1, 8, 8)), "std": np.ones((1, 8, 8))}, str(path), metadata=meta)
     else:
-        np.savez(path, **{**arrays, "x_train": arrays["x_train"][:-1], "y_train": arrays["y_train"][:-1]})
+        save_file({**arrays, "x_train": arrays["x_train"][:-1], "y_train": arrays["y_train"][:-1]}, str(path), metadata=meta)
     assert _same_dataset(load_dataset("digits"), good)
-    assert dict(np.load(path)).keys() == arrays.keys()  # written again
+    assert _read(path)[0].keys() == arrays.keys() and _read(path)[1] == meta  # written again
     assert _same_dataset(load_dataset("digits"), good)
 
 
 def test_a_standardised_set_whose_cache_lost_its_scaling_is_computed_again(isolated):
     """breast-cancer's exports normalise with the training mean and std: a cached split without
     them (or with a zero std) would train the same and export without normalisation."""
+    from safetensors.numpy import save_file
+
     from edgefl.data.datasets import cache_dir
 
     good = load_dataset("breast-cancer")
     assert good.standardisation is not None
-    path = next((cache_dir() / "sklearn").glob("breast-cancer-*.npz"))
-    arrays = dict(np.load(path))
+    path = next((cache_dir() / "sklearn").glob("breast-cancer-*.safetensors"))
+    arrays, meta = _read(path)
     for broken in ({k: v for k, v in arrays.items() if k != "std"}, {**arrays, "std": np.zeros(30)}):
-        np.savez(path, **broken)
+        save_file(broken, str(path), metadata=meta)
         assert _same_dataset(load_dataset("breast-cancer"), good)
 
 

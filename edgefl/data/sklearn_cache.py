@@ -3,27 +3,27 @@
 Importing scikit-learn pulls in SciPy and pandas: about 1.5 s of CPU in every process that loads
 digits or breast-cancer, and a fleet starts one process per device. The split is computed by
 scikit-learn once per (data set, scikit-learn version, test fraction, split seed) and read back
-from an ``.npz`` file (no pickle) after that. A cache file that cannot be read, or whose arrays
-do not have the shapes and types a split has, is ignored and written again; a cache folder that
-cannot be written only costs the import.
+from a safetensors file after that (the class names in its metadata): safetensors checks that
+the header's shapes, types and offsets describe the bytes the file holds before any array is
+read. A file that cannot be read, or whose arrays do not have the shapes, types and values a split
+has, is ignored and written again; a cache folder that cannot be written only costs the import.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
-import math
 import os
 import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-#: the arrays of a split: inputs float32, labels int64, class names as text
-KEYS = ("x_train", "y_train", "x_test", "y_test", "class_names")
+#: the arrays of a split: inputs float32, labels int64 (the class names travel in the metadata)
+KEYS = ("x_train", "y_train", "x_test", "y_test")
 #: a standardised set's per-feature mean and std (float64), what its exports normalise with
 SCALING = ("mean", "std")
 #: a split of these small sets is well under this; a larger file is not one this module wrote
@@ -37,51 +37,39 @@ def split_path(root: Path, name: str, test_fraction: float, split_seed: int) -> 
         version = importlib.metadata.version("scikit-learn")
     except importlib.metadata.PackageNotFoundError:
         return None
-    return root / "sklearn" / f"{name}-sklearn{version}-test{test_fraction!r}-seed{int(split_seed)}.npz"
+    return root / "sklearn" / f"{name}-sklearn{version}-test{test_fraction!r}-seed{int(split_seed)}.safetensors"
 
 
 def read_split(path: Path | None, samples: int, input_shape: tuple[int, ...], classes: int,
                standardised: bool) -> dict[str, np.ndarray] | None:
-    """The arrays kept at ``path``, or None when there is no usable file: one whose split does not
-    hold ``samples`` inputs of ``input_shape`` over ``classes`` classes, with the per-feature mean
-    and std exactly when the set is ``standardised``, is not usable."""
+    """The arrays kept at ``path`` (``class_names`` among them), or None when there is no usable
+    file: one whose split does not hold ``samples`` inputs of ``input_shape`` over ``classes``
+    classes, with the per-feature mean and std exactly when the set is ``standardised``, is not usable."""
     if path is None:
         return None
+    from safetensors import SafetensorError, safe_open
+
     try:
         if not path.is_file() or path.stat().st_size > MAX_CACHE_BYTES:
             return None
-        with zipfile.ZipFile(path) as archive:
-            if not _headers_fit(archive):
-                return None
-        with np.load(path, allow_pickle=False) as stored:
-            arrays = {k: stored[k] for k in stored.files}
-    except (OSError, ValueError, KeyError, EOFError, MemoryError, zipfile.BadZipFile) as exc:  # torn or foreign: computed again
+        with safe_open(str(path), framework="np") as stored:
+            names = json.loads((stored.metadata() or {}).get("class_names", "null"))
+            arrays = {k: stored.get_tensor(k) for k in stored.keys()}
+    except (OSError, ValueError, SafetensorError, MemoryError) as exc:  # torn or foreign: computed again
         log.info("ignoring the cached split %s: %s", path, exc)
         return None
-    return arrays if _is_a_split(arrays, samples, input_shape, classes, standardised) else None
-
-
-def _headers_fit(archive: zipfile.ZipFile) -> bool:
-    """Every member is a plain .npy array whose header promises no more than the size limit, read
-    before any array is: a header may promise terabytes, or a small file unpack to gigabytes."""
-    members = archive.infolist()
-    if len(members) > len(KEYS) + len(SCALING) or sum(m.file_size for m in members) > MAX_CACHE_BYTES:
-        return False
-    for member in members:
-        with archive.open(member) as f:
-            major, _ = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-            shape, _, dtype = read_header(f)
-        if dtype.hasobject or math.prod(shape) * dtype.itemsize > MAX_CACHE_BYTES:
-            return False
-    return True
+    if not (isinstance(names, list) and len(names) == classes and all(isinstance(n, str) and 0 < len(n) <= 100 for n in names)):
+        return None
+    if not _is_a_split(arrays, samples, input_shape, classes, standardised):
+        return None
+    return {**arrays, "class_names": np.array(names)}
 
 
 def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[int, ...], classes: int, standardised: bool) -> bool:
     if not all(k in arrays for k in KEYS) or set(arrays) - set(KEYS) - set(SCALING):
         return False
-    x_train, y_train, x_test, y_test, names = (arrays[k] for k in KEYS)
-    if len(x_train) + len(x_test) != samples or x_train.shape[1:] != input_shape or names.shape != (classes,):
+    x_train, y_train, x_test, y_test = (arrays[k] for k in KEYS)
+    if len(x_train) + len(x_test) != samples or x_train.shape[1:] != input_shape or x_test.shape[1:] != input_shape:
         return False
     if not standardised:
         scaled = all(k not in arrays for k in SCALING)
@@ -91,7 +79,6 @@ def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[
                   and bool(np.isfinite(mean).all()) and bool(np.isfinite(std).all()) and bool((std > 0).all()))
     return (scaled and x_train.dtype == np.float32 and x_test.dtype == np.float32 and y_train.dtype == np.int64
             and y_test.dtype == np.int64 and y_train.shape == (len(x_train),) and y_test.shape == (len(x_test),)
-            and names.dtype.kind == "U"
             and bool(np.all((y_train >= 0) & (y_train < classes))) and bool(np.all((y_test >= 0) & (y_test < classes)))
             and bool(np.isfinite(x_train).all()) and bool(np.isfinite(x_test).all()))
 
@@ -101,12 +88,16 @@ def write_split(path: Path | None, arrays: dict[str, np.ndarray]) -> None:
     processes started together may all write it)."""
     if path is None:
         return
+    from safetensors.numpy import save
+
+    tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items() if k != "class_names"}
+    blob = save(tensors, metadata={"class_names": json.dumps([str(c) for c in arrays["class_names"]])})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".npz.partial")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
+                f.write(blob)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
