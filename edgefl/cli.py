@@ -137,7 +137,7 @@ def simulate(
     err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} on {cfg.data.dataset}, {n} devices, {cfg.rounds} rounds, seed {cfg.seed}")
     err.print(f"run directory: {run.path}")
     _say_data(parts)
-    stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"))
+    stop = StopRequest(lambda text: err.print(f"[yellow]{text}[/]"), asynchronous=cfg.mode == "async")
     if resume:
         # records written after the checkpoint (a finished run's last ones, a crash past it) are played again: said
         had_finished = "this run had finished; " if run.finished() else ""
@@ -234,13 +234,13 @@ EXIT_ROUNDS_FAILED = 3
 
 
 @contextmanager
-def _stoppable():
+def _stoppable(asynchronous: bool = False):
     """SIGINT/SIGTERM finish the current round (:class:`~edgefl.interrupt.StopRequest`), and a
     heartbeat line keeps a log alive while the server waits for devices."""
     from edgefl.heartbeat import Heartbeat
     from edgefl.interrupt import StopRequest
 
-    with StopRequest(lambda text: err.print(f"[yellow]{text}[/]")) as stop, Heartbeat(err, every_s=10 if not err.is_terminal else 30,
+    with StopRequest(lambda text: err.print(f"[yellow]{text}[/]"), asynchronous) as stop, Heartbeat(err, every_s=10 if not err.is_terminal else 30,
                                                                                           enabled=True) as beat:
         yield stop, beat
 
@@ -440,7 +440,7 @@ def fleet(
     err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device {kind}, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
     board = _open_dashboard(run.path, dashboard)
-    with _stoppable() as (stop, beat), _discarded_on_failure(run), _second_signal(run.path), _events_printed_not_logged():
+    with _stoppable(cfg.mode == "async") as (stop, beat), _discarded_on_failure(run), _second_signal(run.path), _events_printed_not_logged():
         summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), parts=parts,
                             should_stop=stop.requested, keep=keep)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR
@@ -524,7 +524,7 @@ def server(
         run = RunDir.create(out_dir, cfg.name, cfg.seed, overwrite=overwrite)
     err.print(f"run directory: {run.path}; waiting for {cfg.fleet.num_clients} devices on {broker}")
     board = _open_dashboard(run.path, dashboard)
-    with (_stoppable() as (stop, beat), _discarded_on_failure(run if not resume else None), _second_signal(run.path),
+    with (_stoppable(cfg.mode == "async") as (stop, beat), _discarded_on_failure(run if not resume else None), _second_signal(run.path),
           _events_printed_not_logged()):
         summary = serve(cfg, broker, run, err, _fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), username, os.environ.get(password_env),
                         str(ca_file) if ca_file else None, resume=resume, parts=parts, should_stop=stop.requested, signing_key=signing_key)

@@ -25,8 +25,9 @@ from typing import Any
 class StopRequest:
     """``with StopRequest(say) as stop: ... stop.requested() ...``"""
 
-    def __init__(self, say: Callable[[str], None] = print) -> None:
+    def __init__(self, say: Callable[[str], None] = print, asynchronous: bool = False) -> None:
         self.say = say
+        self.asynchronous = asynchronous  # no rounds: the server loop stops at its next check (within a second)
         self.signal_name: str | None = None
         self.stopping = False  # the run is ending and writing what it saved: no signal interrupts that
         self._previous: dict[int, Any] = {}
@@ -41,7 +42,9 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.signal_name is None:
             self.signal_name = name
-            self.say(f"{name}: finishing the current round, then writing models, summary and plots "
+            first = ("stopping at the server's next check (an asynchronous run has no rounds; uploads in flight are not waited for)"
+                     if self.asynchronous else "finishing the current round")
+            self.say(f"{name}: {first}, then writing models, summary and plots "
                      f"({'Ctrl-C' if signum == signal.SIGINT else 'the signal'} again stops at once)")
             return
         if self.stopping:

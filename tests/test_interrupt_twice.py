@@ -63,3 +63,9 @@ def test_sigterm_twice_during_a_long_round_exits_130_with_the_summary(tmp_path: 
     assert "interrupted (SIGTERM) after 0 of 1000 rounds" in stderr and "Traceback" not in stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["rounds_played"] == 0
+
+
+def test_an_asynchronous_run_is_not_told_it_finishes_a_round():
+    said: list[str] = []
+    StopRequest(said.append, asynchronous=True)._handle(signal.SIGINT, None)
+    assert "round" not in said[-1].replace("no rounds", "") and "stopping at the server's next check" in said[-1]
