@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import http.server
 import threading
 from functools import partial
@@ -215,6 +216,10 @@ def test_a_sklearn_split_is_read_back_from_the_cache_without_importing_sklearn(n
     first = load_dataset(name)
     kept = list((cache_dir() / "sklearn").glob(f"{name}-sklearn*.safetensors"))
     assert len(kept) == 1
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert kept[0].stat().st_mode & 0o777 == 0o666 & ~umask  # as readable as any file the user writes
+    assert not list(kept[0].parent.glob("*.partial"))
     assert _same_dataset(first, load_dataset(name))  # read back: the very tensors scikit-learn's split gave
     fresh = _split_with_sklearn(name, 0.25, 0)
     assert np.array_equal(fresh["x_test"], first.x_test.numpy())

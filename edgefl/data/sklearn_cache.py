@@ -15,7 +15,7 @@ import importlib.metadata
 import json
 import logging
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -94,9 +94,11 @@ def write_split(path: Path | None, arrays: dict[str, np.ndarray]) -> None:
     blob = save(tensors, metadata={"class_names": json.dumps([str(c) for c in arrays["class_names"]])})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
+        # a name of its own, created exclusively (mkstemp would make the file 0600: the cache is
+        # as readable as the user's umask makes any file)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.partial")
         try:
-            with os.fdopen(fd, "wb") as f:
+            with open(tmp, "xb") as f:
                 f.write(blob)
             os.replace(tmp, path)
         except BaseException:
