@@ -230,8 +230,9 @@ def test_a_sklearn_split_is_read_back_from_the_cache_without_importing_sklearn(n
     assert json.loads(out) == [pytest.approx(float(first.x_train.sum()))]
 
 
-DAMAGES = ["garbage", "truncated", "wrong dtype", "class names not a list", "class names missing", "label out of range",
-           "samples missing", "a terabyte promised", "a huge header promised", "a scaling it does not have"]
+DAMAGES = ["garbage", "truncated", "a flipped bit", "wrong dtype", "class names not a list", "class names missing",
+           "class names nested deeply", "label out of range", "samples missing", "a terabyte promised", "a huge header promised",
+           "a scaling it does not have"]
 
 
 def _safetensors_file(path: Path, header: dict, data: bytes) -> None:
@@ -247,10 +248,21 @@ def _read(path: Path) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
 
 
-@pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
+def _resave(path: Path, arrays: dict, meta: dict | None = None) -> None:
+    """Write a split as the cache does, with a digest that matches the (damaged) contents: each
+    damage case is then caught by the check it is about, not by the digest."""
     from safetensors.numpy import save_file
 
+    from edgefl.data.sklearn_cache import _digest
+
+    meta = dict(meta or {})
+    if "class_names" in meta:
+        meta["sha256"] = _digest(arrays, meta["class_names"])
+    save_file(arrays, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
     from edgefl.data.datasets import cache_dir
 
     good = load_dataset("digits")
@@ -260,22 +272,28 @@ def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
         path.write_bytes(b"\xff" * 64)
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:1000])
+    elif damage == "a flipped bit":  # passes every check but the digest
+        blob = bytearray(path.read_bytes())
+        blob[-100] ^= 1
+        path.write_bytes(bytes(blob))
     elif damage == "wrong dtype":
-        save_file({**arrays, "x_train": arrays["x_train"].astype(np.float64)}, str(path), metadata=meta)
+        _resave(path, {**arrays, "x_train": arrays["x_train"].astype(np.float64)}, meta)
     elif damage == "class names not a list":
-        save_file(arrays, str(path), metadata={"class_names": json.dumps({"0": "zero"})})
+        _resave(path, arrays, {"class_names": json.dumps({"0": "zero"})})
+    elif damage == "class names nested deeply":  # json.loads raises RecursionError, not ValueError
+        _resave(path, arrays, {"class_names": "[" * 100_000 + "]" * 100_000})
     elif damage == "class names missing":
-        save_file(arrays, str(path))
+        _resave(path, arrays)
     elif damage == "label out of range":
-        save_file({**arrays, "y_train": arrays["y_train"] + 10}, str(path), metadata=meta)
+        _resave(path, {**arrays, "y_train": arrays["y_train"] + 10}, meta)
     elif damage == "a terabyte promised":  # x_train's header claims 10^11 images; the file holds none
         _safetensors_file(path, {"x_train": {"dtype": "F32", "shape": [10**11, 1, 8, 8], "data_offsets": [0, 4 * 64 * 10**11]}}, b"")
     elif damage == "a huge header promised":
         path.write_bytes((10**12).to_bytes(8, "little") + b"{}")
     elif damage == "a scaling it does not have":  # digits are not standardised: a mean and std of 8x8 images is not its split
-        save_file({**arrays, "mean": np.zeros((1, 8, 8)), "std": np.ones((1, 8, 8))}, str(path), metadata=meta)
+        _resave(path, {**arrays, "mean": np.zeros((1, 8, 8)), "std": np.ones((1, 8, 8))}, meta)
     else:
-        save_file({**arrays, "x_train": arrays["x_train"][:-1], "y_train": arrays["y_train"][:-1]}, str(path), metadata=meta)
+        _resave(path, {**arrays, "x_train": arrays["x_train"][:-1], "y_train": arrays["y_train"][:-1]}, meta)
     assert _same_dataset(load_dataset("digits"), good)
     assert _read(path)[0].keys() == arrays.keys() and _read(path)[1] == meta  # written again
     assert _same_dataset(load_dataset("digits"), good)
@@ -284,8 +302,6 @@ def test_a_damaged_sklearn_cache_is_ignored_and_written_again(damage, isolated):
 def test_a_standardised_set_whose_cache_lost_its_scaling_is_computed_again(isolated):
     """breast-cancer's exports normalise with the training mean and std: a cached split without
     them (or with a zero std) would train the same and export without normalisation."""
-    from safetensors.numpy import save_file
-
     from edgefl.data.datasets import cache_dir
 
     good = load_dataset("breast-cancer")
@@ -293,7 +309,7 @@ def test_a_standardised_set_whose_cache_lost_its_scaling_is_computed_again(isola
     path = next((cache_dir() / "sklearn").glob("breast-cancer-*.safetensors"))
     arrays, meta = _read(path)
     for broken in ({k: v for k, v in arrays.items() if k != "std"}, {**arrays, "std": np.zeros(30)}):
-        save_file(broken, str(path), metadata=meta)
+        _resave(path, broken, meta)
         assert _same_dataset(load_dataset("breast-cancer"), good)
 
 

@@ -5,12 +5,16 @@ digits or breast-cancer, and a fleet starts one process per device. The split is
 scikit-learn once per (data set, scikit-learn version, test fraction, split seed) and read back
 from a safetensors file after that (the class names in its metadata): safetensors checks that
 the header's shapes, types and offsets describe the bytes the file holds before any array is
-read. A file that cannot be read, or whose arrays do not have the shapes, types and values a split
-has, is ignored and written again; a cache folder that cannot be written only costs the import.
+read. A file that cannot be read, whose contents do not match the SHA-256 it was written with (a
+flipped bit), or whose arrays do not have the shapes, types and values a split has, is ignored and
+written again (the digest guards against damage, not against someone who rewrites the file and
+its digest: the cache is the user's own, like the downloaded data sets); a cache folder that
+cannot be written only costs the import.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -53,12 +57,16 @@ def read_split(path: Path | None, samples: int, input_shape: tuple[int, ...], cl
         if not path.is_file() or path.stat().st_size > MAX_CACHE_BYTES:
             return None
         with safe_open(str(path), framework="np") as stored:
-            names = json.loads((stored.metadata() or {}).get("class_names", "null"))
+            meta = stored.metadata() or {}
+            names = json.loads(meta.get("class_names", "null"))
             arrays = {k: stored.get_tensor(k) for k in stored.keys()}
-    except (OSError, ValueError, SafetensorError, MemoryError) as exc:  # torn or foreign: computed again
+    except (OSError, ValueError, SafetensorError, MemoryError, RecursionError) as exc:  # torn or foreign: computed again
         log.info("ignoring the cached split %s: %s", path, exc)
         return None
     if not (isinstance(names, list) and len(names) == classes and all(isinstance(n, str) and 0 < len(n) <= 100 for n in names)):
+        return None
+    if meta.get("sha256") != _digest(arrays, meta["class_names"]):  # a flipped bit passes every other check
+        log.info("ignoring the cached split %s: its contents do not match their SHA-256", path)
         return None
     if not _is_a_split(arrays, samples, input_shape, classes, standardised):
         return None
@@ -83,6 +91,17 @@ def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[
             and bool(np.isfinite(x_train).all()) and bool(np.isfinite(x_test).all()))
 
 
+def _digest(arrays: dict[str, np.ndarray], names: str) -> str:
+    """SHA-256 of the split as written: each array's name, type, shape and bytes, then the class names."""
+    h = hashlib.sha256()
+    for key in sorted(arrays):
+        value = np.ascontiguousarray(arrays[key])
+        h.update(f"{key}:{value.dtype.str}:{value.shape};".encode())
+        h.update(value.tobytes())
+    h.update(names.encode())
+    return h.hexdigest()
+
+
 def write_split(path: Path | None, arrays: dict[str, np.ndarray]) -> None:
     """Keep ``arrays`` at ``path``, whole or not at all (written aside, then renamed: device
     processes started together may all write it)."""
@@ -91,7 +110,8 @@ def write_split(path: Path | None, arrays: dict[str, np.ndarray]) -> None:
     from safetensors.numpy import save
 
     tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items() if k != "class_names"}
-    blob = save(tensors, metadata={"class_names": json.dumps([str(c) for c in arrays["class_names"]])})
+    names = json.dumps([str(c) for c in arrays["class_names"]])
+    blob = save(tensors, metadata={"class_names": names, "sha256": _digest(tensors, names)})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a name of its own, created exclusively (mkstemp would make the file 0600: the cache is
