@@ -762,8 +762,11 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     for fmt in chosen:  # a missing converter is said before any model is loaded
         fmt.check_available()
     formats = tuple(fmt.name for fmt in chosen)
-    sources = sources_from_path(source, model=model, select=select, every=every)
+    failed: list[tuple[str, EdgeflError | OSError]] = []  # one model's failure: reported, the others still exported
+    sources = sources_from_path(source, model=model, select=select, every=every, on_error=lambda f, exc: failed.append((f.stem, exc)))
     out_dir = default_out_dir(source) if out_dir is None else out_dir
+    total = len(sources) + len(failed)
+    created = not Path(out_dir).exists()
     _check_writable(Path(out_dir))
     ds = None
     if dataset or data_dir:
@@ -773,7 +776,8 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     table = Table(title=f"exports in {out_dir}")
     for col in ("file", "size", "precision", "batch", "max |diff|", "test acc", "agree", "latency", "mobile / micro"):
         table.add_column(col, justify="left" if col == "file" else "right")
-    failed: list[str] = []
+    for name, exc in failed:
+        table.add_row(f"[red]{name}: FAILED[/] (not loadable)", "-", "-", "-", "-", "-", "-", "-", _reason(exc)[:160])
     try:
         with err.status("exporting") as status:
             for src in sources:
@@ -781,10 +785,9 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
                     files = export_model(src, out_dir, formats=formats, int8=int8, batch=batch, dynamic_batch=dynamic_batch,
                                          channels_last=channels_last, dataset=ds,
                                          log=lambda m, s=src: status.update(f"{s.name}: {m}"))
-                except (EdgeflError, OSError) as exc:  # one model's failure: reported, the others still exported
-                    reason = exc.message if isinstance(exc, EdgeflError) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
-                    failed.append(src.name)
-                    table.add_row(f"[red]{src.name}: FAILED[/] (no file of it kept)", "-", "-", "-", "-", "-", "-", "-", reason[:160])
+                except (EdgeflError, OSError) as exc:
+                    failed.append((src.name, exc))
+                    table.add_row(f"[red]{src.name}: FAILED[/] (no file of it kept)", "-", "-", "-", "-", "-", "-", "-", _reason(exc)[:160])
                     continue
                 _add_rows(table, files)
     except KeyboardInterrupt:
@@ -802,8 +805,17 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
         for phone, pick in (json.loads(plan.read_text()).get("phones") or {}).items():
             out.print(f"{phone}: {pick.get('arch') or 'nothing fits'} ({pick.get('why', '')})", markup=False, highlight=False)
     if failed:
-        err.print(f"[red]{len(failed)} of {len(sources)} models failed[/]: {', '.join(failed)} (reasons in the table)")
+        for name, exc in failed:  # the whole reason and what to do, which the table's cell cannot hold
+            hint = getattr(exc, "hint", None)
+            err.print(f"[red]{escape(name)}[/]: {escape(_reason(exc))}" + (f"\n  hint: {escape(hint)}" if hint else ""))
+        if created and Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()):
+            Path(out_dir).rmdir()  # nothing was exported: no empty folder left behind
+        err.print(f"[red]{len(failed)} of {total} models failed[/]: {', '.join(name for name, _ in failed)}")
         raise typer.Exit(1)
+
+
+def _reason(exc: EdgeflError | OSError) -> str:
+    return exc.message if isinstance(exc, EdgeflError) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
 
 
 def _check_writable(folder: Path) -> None:

@@ -124,4 +124,14 @@ def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 
     with safe_open(str(path), framework="pt") as fh:
         raw_meta = fh.metadata() or {}
-    return load_file(str(path)), {k: json.loads(v) for k, v in raw_meta.items()}
+    meta = {}
+    for key, value in raw_meta.items():
+        try:
+            meta[key] = json.loads(value)
+        except (ValueError, RecursionError):  # ValueError: not JSON, or an integer of thousands of digits
+            raise MetadataError(f"its metadata field {key[:40]!r} is not the JSON edgefl writes ({value[:40]!r}...)") from None
+    return load_file(str(path)), meta
+
+
+class MetadataError(ValueError):
+    """A model file's tensors are readable, one of its metadata fields is not."""

@@ -127,9 +127,17 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         raise DataError(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
                         hint="pass the dataset the model was trained on (--dataset); a device's model trained on a view of the data "
                              "(fleet.groups[].view) records it from this version on: export that run's models again after re-running it")
-    n_test = min(test_samples, len(dataset.y_test))
-    test_idx = torch.randperm(len(dataset.y_test), generator=torch.Generator().manual_seed(0))[:n_test].sort().values
-    x_test, y_test = dataset.x_test[test_idx], dataset.y_test[test_idx]
+    x_pool, y_pool = dataset.x_test, dataset.y_test
+    if src.held_out is not None:  # a pooled run: its devices trained on part of the test split, never on what they held out
+        x_pool, y_pool = torch.cat([dataset.x_train, dataset.x_test]), torch.cat([dataset.y_train, dataset.y_test])
+        if max(src.held_out) >= len(y_pool):
+            raise DataError(f"{src.name} was judged on samples up to {max(src.held_out)} of {dataset.name}'s train and test splits, "
+                            f"which hold {len(y_pool)}", hint="pass the dataset the model was trained on (--dataset)")
+        held = torch.tensor(src.held_out, dtype=torch.long)
+        x_pool, y_pool = x_pool[held], y_pool[held]
+    n_test = min(test_samples, len(y_pool))
+    test_idx = torch.randperm(len(y_pool), generator=torch.Generator().manual_seed(0))[:n_test].sort().values
+    x_test, y_test = x_pool[test_idx], y_pool[test_idx]
     cal_idx = torch.randperm(len(dataset.y_train), generator=gen)[:calibration_samples]
     x_cal = dataset.x_train[cal_idx]
     if view is not None:  # the model sees what its device saw: the view of each (normalised) sample
@@ -157,8 +165,10 @@ def device_view(src: ModelSource, dataset: Dataset) -> View | None:
 _VIEW_STEPS = {
     "features": "the model's input i is raw feature columns[i] (of input_shape[0]), standardised with that feature's mean and std",
     "permute": "normalise the image, flatten it in channel, row, column order, take pixel permutation[i] as pixel i, reshape",
-    "resize": "normalise the image, then resize it bilinearly (half-pixel centres, as align_corners=False) to output_shape",
-    "crop": "normalise the image, then cut the centred output_shape square out of it (the top-left corner at floor((H - size) / 2))",
+    "resize": "normalise the image, then resize it bilinearly to output_shape as PyTorch's interpolate(mode='bilinear', "
+              "align_corners=False, antialias=False) does: half-pixel centres, source coordinates clamped at the edges, no antialiasing",
+    "crop": "normalise the image, then cut the centred output_shape square out of it: rows from floor((H - size) / 2), "
+            "columns from floor((W - size) / 2)",
     "rgb": "normalise the grey image, then repeat it over three channels and multiply channel c by gains[c]",
 }
 
@@ -172,9 +182,11 @@ def describe_view(view: View, norm: dict[str, Any] | None) -> dict[str, Any]:
     if norm is not None and cols is not None and isinstance(norm.get("mean"), list) and len(norm["mean"]) == view.input_shape[0]:
         norm["mean"] = [norm["mean"][c] for c in cols]
         norm["std"] = [norm["std"][c] for c in cols]
+        norm["formula"] = "x[i] = (feature[columns[i]] - mean[i]) / std[i]"  # columns: the view's (the sidecar's view.columns)
         norm["description"] = f"{norm.get('description', '')}; listed for the model's {len(cols)} inputs (the view's columns)".lstrip("; ")
     return {**record, "steps": _VIEW_STEPS[view.settings.kind],
-            "description": "this device's model was trained on its own view of the data (fleet.groups[].view): build its input as 'steps' says"}
+            "description": "this device's model was trained on its own view of the data (fleet.groups[].view): build its input as 'steps' "
+                           "says; shapes are channels, rows, columns: a channels-last file takes the result transposed as its 'layout' says"}
 
 
 def run_in_batches(runner: Callable[..., np.ndarray], inputs: tuple[torch.Tensor, ...], batch: int | None, chunk: int = 256) -> np.ndarray:
@@ -280,6 +292,9 @@ class ExportJob:
             "source": {"run": src.run, "run_name": src.run_name, "method": src.method, "seed": src.seed, "round": src.round,
                        "weights": src.weights_path, "weights_sha256": src.weights_sha256, "dataset": src.dataset},
             "pytorch_test_accuracy": self.torch_acc, "test_samples": len(inputs.labels) if inputs.labels is not None else 0,
+            "test_set": (None if inputs.labels is None else
+                         "samples its run's devices held out and never trained on (the run pooled the data set's splits)"
+                         if src.held_out is not None else "the data set's test split"),
             "edgefl_version": edgefl_version(), "exporter_versions": exporter_versions(),
             "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "normalisation": self.norm, "view": self.view,
         }
@@ -320,7 +335,7 @@ class ExportJob:
                     f"{f.precision}. Input 'input' {f.extra['layout']}" + (f", {how}" if how else "") +
                     "; output 'logits' (argmax = class; labels in "
                     + ("the packed labels.txt)." if f.format == "tflite" else "metadata edgefl.labels).")
-                    + (" The input is this device's own view of a sample (" + ("the sidecar's" if f.format == "tflite" else "metadata edgefl.view")
+                    + (" The input is this device's own view of a sample (" + ("the sidecar's view" if f.format == "tflite" else "metadata edgefl.view")
                        + " says how to build it)." if self.view else "")
                     + (f" Run {src.run_name or src.run}, round {src.round}." if src.run else ""))
         return (f"edgefl {src.model} decoder: inputs 'z' (latent, N(0, I)) and 'y_onehot' (class), output 'sample' "

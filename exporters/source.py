@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
-from edgefl.data.views import View, ViewSettings, view_from_record
+from edgefl.data.views import FITTED, View, ViewSettings, one_line, view_from_record
 from edgefl.errors import EdgeflError
 from edgefl.models import build_model, get_spec
 
@@ -48,6 +50,7 @@ class ModelSource:
     view: View | None = None  # the device's feature space the model was trained on (CHFL's views)
     view_settings: ViewSettings | None = None  # a file saved before the fitted view was recorded: refit from seed and device
     client_id: str | None = None  # the device whose private model this is
+    held_out: list[int] | None = None  # a pooled run's held-out samples (indices into train + test): what the export judges on
 
     @property
     def latent_dim(self) -> int | None:
@@ -68,16 +71,24 @@ class DecoderForExport(nn.Module):
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from edgefl.rundir import load_model_file
+    from edgefl.rundir import MetadataError, load_model_file
 
     try:
         return load_model_file(path)
+    except MetadataError as exc:
+        raise ExportSourceError(f"{path}: {exc}", hint="the file was changed after edgefl wrote it: export the run's own copy, "
+                                                       "or pass --model to rebuild the architecture from a file without metadata") from None
     except Exception as exc:  # safetensors raises its own errors for truncated or foreign files
         raise ExportSourceError(f"{path} is not a readable safetensors weights file ({exc})",
                                 hint="pass a models/*.safetensors file from a run directory, or the run directory itself") from None
 
 
 def _fit(module: nn.Module, state: dict[str, torch.Tensor], model: str, path: Path) -> None:
+    head = getattr(module, "head", None)
+    if isinstance(head, nn.Linear) and head.bias is None and "head.bias" in state and "head.bias" not in module.state_dict():
+        # CHFL gives a bias-free head (the FedHe CNNs') a bias, so that every device's head has the
+        # federation's shape (edgefl/algorithms/chfl.py): its saved models carry it
+        module.head = nn.Linear(head.in_features, head.out_features)
     own = module.state_dict()
     missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
@@ -87,7 +98,7 @@ def _fit(module: nn.Module, state: dict[str, torch.Tensor], model: str, path: Pa
             k = wrong[0]
             detail += f" {k} is {tuple(state[k].shape)}, {model} needs {tuple(own[k].shape)}"
         raise ExportSourceError(f"the weights in {path} are not a {model}: {detail.strip()}",
-                                hint="pass the model the file was trained with (--model, --options), or the run directory it came from")
+                                hint="pass the model the file was trained with (--model), or the run directory it came from")
     module.load_state_dict(state, strict=True)
 
 
@@ -99,6 +110,7 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
     if not path.is_file():
         raise ExportSourceError(f"{path} does not exist", hint="pass a run directory or a .safetensors weights file")
     state, meta = _read_safetensors(path)
+    _check_meta(meta, path)
     name = model or meta.get("model")
     if name is None:
         raise ExportSourceError(f"{path} does not say which architecture it holds", hint="pass --model NAME (see `edgefl models`)")
@@ -127,8 +139,40 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
         dataset=meta.get("dataset"), run=str(run) if run is not None else None,
         round=meta.get("round"), weights_path=str(path), weights_sha256=sha256_file(path),
         run_name=facts.get("name"), method=facts.get("method"), seed=facts.get("seed"), view=view, view_settings=view_settings,
-        client_id=client[:200] if isinstance(client, str) else None,
+        client_id=client[:200] if isinstance(client, str) else None, held_out=meta.get("held_out_indices"),
     )
+
+
+def _is_int(v: Any, low: int, high: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+#: what each metadata field edgefl reads must be (the file may have been changed by anyone)
+_META_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "model": ("a model name", lambda v: isinstance(v, str) and 0 < len(v) <= 100),
+    "model_options": ("an object of options", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)),
+    "num_classes": ("a class count from 1 to 100000", lambda v: _is_int(v, 1, 100_000)),
+    "input_shape": ("a list of one to three sizes", lambda v: isinstance(v, list) and 1 <= len(v) <= 3 and all(_is_int(d, 1, 65536) for d in v)),
+    "class_names": ("a list of names", lambda v: isinstance(v, list) and len(v) <= 100_000 and all(isinstance(n, str) and len(n) <= 200 for n in v)),
+    "dataset": ("a data set's name", lambda v: isinstance(v, str) and len(v) <= 200),
+    "round": ("a round number", lambda v: _is_int(v, 0, 10**9)),
+    "client_id": ("a device id", lambda v: isinstance(v, str) and len(v) <= 200),
+    "held_out_indices": ("a list of sample indices", lambda v: isinstance(v, list) and 0 < len(v) <= 10**7
+                         and all(_is_int(i, 0, 10**9) for i in v)),
+}
+
+
+def _check_meta(meta: dict[str, Any], path: Path) -> None:
+    for key, (what, fits) in _META_CHECKS.items():
+        value = meta.get(key)
+        if value is not None and not fits(value):
+            raise ExportSourceError(f"{path}: its metadata field {key!r} is {str(value)[:40]!r}, not {what}",
+                                    hint="the file was changed after edgefl wrote it: export the run's own copy, or pass --model "
+                                         "to rebuild the architecture from a file without metadata")
+    names, classes = meta.get("class_names"), meta.get("num_classes")
+    if names is not None and classes is not None and len(names) != classes:
+        raise ExportSourceError(f"{path}: its metadata names {len(names)} classes but counts {classes}",
+                                hint="the file was changed after edgefl wrote it: export the run's own copy")
 
 
 def _view(record: Any, input_shape: tuple[int, ...], path: Path) -> tuple[View | None, ViewSettings | None]:
@@ -137,8 +181,11 @@ def _view(record: Any, input_shape: tuple[int, ...], path: Path) -> tuple[View |
     if record is None:
         return None, None
     try:
-        if isinstance(record, dict) and "input_shape" not in record:
-            return None, ViewSettings.model_validate(record)
+        if isinstance(record, dict) and not set(record) & FITTED:
+            try:
+                return None, ViewSettings.model_validate(record)
+            except ValidationError as exc:
+                raise ValueError(one_line(exc)) from None
         view = view_from_record(record)
     except ValueError as exc:
         raise ExportSourceError(f"{path} was trained on a per-device view of the data, but its view record is unusable: {exc}",
@@ -170,11 +217,12 @@ def _run_facts(run: Path) -> dict[str, Any]:
 
 
 def sources_from_path(path: str | Path, model: str | None = None, select: str | None = None, every: bool = False,
-                      **kw) -> list[ModelSource]:
+                      on_error: Callable[[Path, EdgeflError], None] | None = None, **kw) -> list[ModelSource]:
     """A weights file, or the models a run directory ships to phones (ship.json: its global
     models, or for a method that keeps a model per device the best device's per architecture);
     ``every``: every model it saved, each device's private one included; ``select`` keeps the
-    files whose name contains it."""
+    files whose name contains it. ``on_error``: a run directory's file that cannot be loaded is handed to it and
+    skipped (the others are still exported) instead of raising."""
     path = Path(path)
     if path.is_dir():
         folder = path / "models"
@@ -187,7 +235,15 @@ def sources_from_path(path: str | Path, model: str | None = None, select: str | 
             chosen = [f for f in files if select in f.stem]
             if not chosen:
                 raise ExportSourceError(f"no model in {folder} matches {select!r}", hint="models: " + ", ".join(f.stem for f in files))
-        return [load_weights_file(f, model, **kw) for f in chosen]
+        sources = []
+        for f in chosen:
+            try:
+                sources.append(load_weights_file(f, model, **kw))
+            except EdgeflError as exc:
+                if on_error is None:
+                    raise
+                on_error(f, exc)
+        return sources
     return [load_weights_file(path, model, **kw)]
 
 

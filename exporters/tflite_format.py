@@ -99,7 +99,12 @@ def _describe(job: ExportContext, path: Path, precision: str, layout: str) -> No
                                  "channels": src.input_shape[0] if image else None,
                                  "description": f"{'image' if image else 'features'}, {layout}"
                                                 + (f"; {norm['formula']}" if norm and norm.get("formula") else "")}
-        if norm and norm.get("mean") is not None:
+        view = job.view
+        if view is not None:  # never a plain image: an app's own preprocessing would skip the view's steps
+            cols = f"; the raw sample's columns {view['columns']}, in that order" if "columns" in view else ""
+            entry = {"name": "input", "kind": "feature", "description": f"this device's own view ({view['kind']}) of a sample, {layout}{cols}: "
+                                                                          f"{view['steps']} (the sidecar's view holds every number)"}
+        if norm and norm.get("mean") is not None and (view is None or view["kind"] == "features"):
             entry["mean"], entry["std"] = norm["mean"], norm["std"]
             if "min" in norm:
                 entry["min"], entry["max"] = norm["min"], norm["max"]

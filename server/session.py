@@ -430,7 +430,7 @@ class RunSession:
         summary["rounds_played"] = len(self.policy.history)
         summary["interrupted"] = interrupted
         if self.run_dir is not None:
-            save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds)
+            save_global_models(self.run_dir, self.server, self.cfg, self.parts.ds, self.parts.slots)
             try:
                 models = self.device_models() if self.device_models is not None else None
                 summary["ship"] = write_ship_plan(self.run_dir, self.cfg, self.parts.ds, self.parts.slots, self.server,
@@ -544,14 +544,25 @@ def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
             "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
 
 
-def save_global_models(run_dir: RunDir, server, cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
+def held_out_indices(cfg: RunConfig, slots: list) -> list[int] | None:
+    """The samples the devices held out and never trained on, as indices into the data set's train
+    and test splits concatenated (the pool a ``client_test_fraction`` run partitions), or None when
+    the run judges on the data set's own test split. An export checks a model on these: the test
+    split of a pooled run was partly trained on."""
+    if not cfg.data.client_test_fraction or cfg.data.device_held:
+        return None
+    return sorted({int(i) for s in slots if s.test_indices is not None for i in s.test_indices})
+
+
+def save_global_models(run_dir: RunDir, server, cfg: RunConfig, ds: Dataset, slots: list | None = None) -> dict[str, Any]:
     """Write the server's global models and its artifacts (FedMHO's sample grid) into the run
     directory. Returns the global models written."""
     globals_ = server.global_models()
+    held_out = held_out_indices(cfg, slots or [])
     for arch, state in globals_.items():
         model, options, shape = server.global_spec(arch)
         meta = {**model_meta(cfg, ds), "arch": arch, "model": model, "model_options": options, "scope": "global",
-                "input_shape": list(shape)}
+                "input_shape": list(shape), **({"held_out_indices": held_out} if held_out else {})}
         run_dir.save_model(f"global-{safe_name(arch)}", state, meta)
     server.write_artifacts(run_dir.path)
     return globals_

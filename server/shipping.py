@@ -66,6 +66,13 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
     return out
 
 
+def _held_out(cfg: RunConfig, slot: DeviceSlot) -> dict[str, Any]:
+    from edgefl.server.session import held_out_indices
+
+    held = held_out_indices(cfg, [slot])
+    return {"held_out_indices": held} if held else {}
+
+
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],
                     device_models: dict[str, dict[str, torch.Tensor]] | None, meta: dict[str, Any]) -> dict[str, Any]:
     """Decide and write what a phone should get (``device_models``: each device's weights when
@@ -95,7 +102,8 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
                 run_dir.save_model(name, device_models[best.client_id],
                                    {**meta, "arch": arch, "model": best.model, "model_options": best.model_options, "scope": "ship",
                                     "client_id": best.client_id, "input_shape": list(best.input_shape(ds)), "accuracy": acc,
-                                    "view": view_record(best.view) if best.view else None})
+                                    "view": view_record(best.view) if best.view else None,
+                                    **_held_out(cfg, best)})
                 entry["file"] = f"models/{name}.safetensors"
             else:
                 entry["file"] = None

@@ -35,6 +35,10 @@ def test_image_views_shapes_and_content():
 def test_bad_views():
     with pytest.raises(ValueError, match="needs size"):
         ViewSettings(kind="crop")
+    with pytest.raises(ValueError, match="view 'permute' takes no settings, not fraction"):
+        ViewSettings(kind="permute", fraction=0.5)
+    with pytest.raises(ValueError, match="view 'crop' takes size, not count"):
+        ViewSettings(kind="crop", size=20, count=3)
     with pytest.raises(ConfigError, match="for tabular data"):
         make_view(ViewSettings(kind="features", count=3), (1, 28, 28), 0, "c")
     with pytest.raises(ConfigError, match="larger than"):
@@ -81,13 +85,15 @@ def test_damaged_image_view_records_are_refused():
     with pytest.raises(ValueError, match="keeps the image's shape"):
         view_from_record({**perm, "output_shape": [1, 14, 14]})
     rgb = view_record(make_view(ViewSettings(kind="rgb"), (1, 28, 28), 0, "c0"))
-    for gains in ([1.0, 1.0], [1.0, -1.0, 1.0], [1.0, float("nan"), 1.0], "abc"):
-        with pytest.raises(ValueError, match="three positive gains"):
+    for gains in ([1.0, 1.0], [1.0, -1.0, 1.0], [1.0, float("nan"), 1.0], [1e-300] * 3, "abc"):
+        with pytest.raises(ValueError, match="three gains between 1e-6 and 1e6"):
             view_from_record({**rgb, "gains": gains})
     crop = view_record(make_view(ViewSettings(kind="crop", size=20), (1, 28, 28), 0, "c0"))
     with pytest.raises(ValueError, match="does not map"):
         view_from_record({**crop, "size": 40, "output_shape": [1, 40, 40]})
     with pytest.raises(ValueError, match="settings only"):
         view_from_record({"kind": "features", "fraction": 0.5})
+    with pytest.raises(ValueError, match="input_shape is missing"):
+        view_from_record({"kind": "features", "fraction": 0.5, "columns": [1]})
     with pytest.raises(ValueError, match="not an object"):
         view_from_record([1, 2])

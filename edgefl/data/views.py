@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch.nn import functional as F
 
 from edgefl.errors import ConfigError
@@ -40,6 +40,10 @@ class ViewSettings(BaseModel):
             raise ValueError(f"view {self.kind!r} needs size")
         if self.kind == "features" and self.fraction is None and self.count is None:
             raise ValueError("view 'features' needs fraction or count")
+        takes = {"features": {"fraction", "count"}, "resize": {"size"}, "crop": {"size"}}.get(self.kind, set())
+        stray = sorted(k for k in ("fraction", "count", "size") if getattr(self, k) is not None and k not in takes)
+        if stray:
+            raise ValueError(f"view {self.kind!r} takes {' or '.join(sorted(takes)) or 'no settings'}, not {', '.join(stray)}")
         return self
 
 
@@ -102,6 +106,14 @@ def make_view(settings: ViewSettings, input_shape: tuple[int, ...], seed: int, c
 # The fitted view travels with a saved model, so that an export can feed the model what the device
 # fed it (and tell a phone how to build that input) without the run's seed or config.
 _MAX_RECORD_ITEMS = 1 << 20  # a permutation of a 3 x 512 x 512 image; far above any dataset edgefl loads
+#: a record's fitted fields (the rest are the view's settings)
+FITTED = frozenset({"input_shape", "output_shape", "columns", "permutation", "gains"})
+
+
+def one_line(exc: ValidationError) -> str:
+    """pydantic's errors as one line: 'field: problem; ...' (its own text spans lines and links)."""
+    parts = [(".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, ")) for e in exc.errors()[:4]]
+    return "; ".join(f"{where}: {msg}" if where else msg for where, msg in parts)
 
 
 def view_record(view: View) -> dict:
@@ -137,10 +149,15 @@ def view_from_record(record: object) -> View:
     from a file); ValueError says what is wrong."""
     if not isinstance(record, dict):
         raise ValueError("the view record is not an object")
-    fitted = {"input_shape", "output_shape", "columns", "permutation", "gains"}
-    settings = ViewSettings.model_validate({k: v for k, v in record.items() if k not in fitted})
-    if "input_shape" not in record:
+    if not set(record) & FITTED:
         raise ValueError("the view record names its settings only, not the fitted view (a model saved before edgefl recorded it)")
+    try:
+        settings = ViewSettings.model_validate({k: v for k, v in record.items() if k not in FITTED})
+    except ValidationError as exc:
+        raise ValueError(one_line(exc)) from None
+    for key in ("input_shape", "output_shape"):
+        if key not in record:
+            raise ValueError(f"{key} is missing")
     inp, out = _shape(record.get("input_shape"), "input_shape"), _shape(record.get("output_shape"), "output_shape")
     kind, size = settings.kind, 1
     for d in inp:
@@ -164,7 +181,7 @@ def view_from_record(record: object) -> View:
     else:
         gains = record.get("gains")
         if (inp[:1] != (1,) or len(inp) != 3 or out != (3, *inp[1:]) or not isinstance(gains, list) or len(gains) != 3
-                or not all(isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g < 1e6 for g in gains)):
-            raise ValueError("an rgb view maps one channel to three with three positive gains")
+                or not all(isinstance(g, (int, float)) and not isinstance(g, bool) and 1e-6 <= g <= 1e6 for g in gains)):
+            raise ValueError("an rgb view maps one channel to three with three gains between 1e-6 and 1e6")
         view.gains = torch.tensor(gains, dtype=torch.float32)
     return view

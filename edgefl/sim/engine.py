@@ -36,7 +36,7 @@ from edgefl.rundir import RunDir
 from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
-from edgefl.server.session import DEVICES_FILE, RunSession, model_meta, safe_name
+from edgefl.server.session import DEVICES_FILE, RunSession, held_out_indices, model_meta, safe_name
 from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
@@ -331,6 +331,9 @@ class Simulation:
             meta = {**base, "arch": slot.arch, "model": slot.model, "model_options": slot.model_options,
                     "scope": "client", "client_id": cid, "input_shape": list(slot.input_shape(self.ds)),
                     "view": view_record(slot.view) if slot.view else None}
+            held = held_out_indices(self.cfg, [slot])
+            if held:
+                meta["held_out_indices"] = held
             self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
 
 
