@@ -769,7 +769,7 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     created = not Path(out_dir).exists()
     _check_writable(Path(out_dir))
     ds = None
-    if dataset or data_dir:
+    if (dataset or data_dir) and (dataset or sources):  # no model loaded and no --dataset: nothing to load it for
         from edgefl.data import load_dataset
 
         ds = load_dataset(dataset or sources[0].dataset, data_dir)
