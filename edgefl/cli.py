@@ -776,8 +776,8 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     table = Table(title=f"exports in {out_dir}")
     for col in ("file", "size", "precision", "batch", "max |diff|", "test acc", "agree", "latency", "mobile / micro"):
         table.add_column(col, justify="left" if col == "file" else "right")
-    for name, exc in failed:
-        table.add_row(f"[red]{name}: FAILED[/] (not loadable)", "-", "-", "-", "-", "-", "-", "-", _reason(exc)[:160])
+    for name, _ in failed:
+        table.add_row(f"[red]{name}: FAILED[/] (not loadable)", "-", "-", "-", "-", "-", "-", "-", "reason below")
     try:
         with err.status("exporting") as status:
             for src in sources:
@@ -787,19 +787,21 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
                                          log=lambda m, s=src: status.update(f"{s.name}: {m}"))
                 except (EdgeflError, OSError) as exc:
                     failed.append((src.name, exc))
-                    table.add_row(f"[red]{src.name}: FAILED[/] (no file of it kept)", "-", "-", "-", "-", "-", "-", "-", _reason(exc)[:160])
+                    table.add_row(f"[red]{src.name}: FAILED[/] (no file of it kept)", "-", "-", "-", "-", "-", "-", "-", "reason below")
                     continue
                 _add_rows(table, files)
     except KeyboardInterrupt:
         out.print(table)
         err.print("interrupted: the table shows what was exported before")
         raise typer.Exit(130) from None
-    out.print(table)
-    out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; int8 TFLite files are integer-only; latency: median of one "
-              "call at the file's batch on one thread here; each file has a .json sidecar (names, shapes, dtypes, quantisation, "
-              "normalisation, labels, SHA-256)")
+    exported = len(failed) < total
+    if exported:
+        out.print(table)
+        out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; int8 TFLite files are integer-only; latency: median of one "
+                  "call at the file's batch on one thread here; each file has a .json sidecar (names, shapes, dtypes, quantisation, "
+                  "normalisation, labels, SHA-256)")
     plan = Path(source) / "ship.json"
-    if plan.is_file() and not every and not select:  # which of these files each phone class gets (edgefl assign)
+    if plan.is_file() and not every and not select and not failed:  # which of these files each phone class gets (edgefl assign)
         import json
 
         for phone, pick in (json.loads(plan.read_text()).get("phones") or {}).items():

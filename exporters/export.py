@@ -127,12 +127,17 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         raise DataError(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
                         hint="pass the dataset the model was trained on (--dataset); a device's model trained on a view of the data "
                              "(fleet.groups[].view) records it from this version on: export that run's models again after re-running it")
+    # parity (the files against PyTorch) on any real samples; accuracy on samples the model never trained on
+    parity_idx = torch.randperm(len(dataset.y_test), generator=torch.Generator().manual_seed(0))[:parity_samples].sort().values
+    x_parity = dataset.x_test[parity_idx]
     x_pool, y_pool = dataset.x_test, dataset.y_test
     if src.held_out is not None:  # a pooled run: its devices trained on part of the test split, never on what they held out
         x_pool, y_pool = torch.cat([dataset.x_train, dataset.x_test]), torch.cat([dataset.y_train, dataset.y_test])
         if max(src.held_out) >= len(y_pool):
             raise DataError(f"{src.name} was judged on samples up to {max(src.held_out)} of {dataset.name}'s train and test splits, "
-                            f"which hold {len(y_pool)}", hint="pass the dataset the model was trained on (--dataset)")
+                            f"which hold {len(y_pool)}",
+                            hint="pass the dataset the model was trained on (--dataset); if it is, the file's held_out_indices were changed "
+                                 "after edgefl wrote it")
         held = torch.tensor(src.held_out, dtype=torch.long)
         x_pool, y_pool = x_pool[held], y_pool[held]
     n_test = min(test_samples, len(y_pool))
@@ -141,9 +146,9 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
     cal_idx = torch.randperm(len(dataset.y_train), generator=gen)[:calibration_samples]
     x_cal = dataset.x_train[cal_idx]
     if view is not None:  # the model sees what its device saw: the view of each (normalised) sample
-        x_test, x_cal = view.apply(x_test), view.apply(x_cal)
+        x_test, x_cal, x_parity = view.apply(x_test), view.apply(x_cal), view.apply(x_parity)
     calib = [(x_cal[i : i + calibration_batch],) for i in range(0, len(x_cal), calibration_batch)]
-    return ExportInputs((x_test[:parity_samples],), (x_test,), y_test, calib, dataset, view)
+    return ExportInputs((x_parity,), (x_test,), y_test, calib, dataset, view)
 
 
 def device_view(src: ModelSource, dataset: Dataset) -> View | None:
@@ -163,7 +168,8 @@ def device_view(src: ModelSource, dataset: Dataset) -> View | None:
 
 
 _VIEW_STEPS = {
-    "features": "the model's input i is raw feature columns[i] (of input_shape[0]), standardised with that feature's mean and std",
+    "features": "the model's input i is raw feature columns[i] (of input_shape[0], in the data set's column order), standardised "
+                "with normalisation's mean[i] and std[i] (listed for the model's inputs)",
     "permute": "normalise the image, flatten it in channel, row, column order, take pixel permutation[i] as pixel i, reshape",
     "resize": "normalise the image, then resize it bilinearly to output_shape as PyTorch's interpolate(mode='bilinear', "
               "align_corners=False, antialias=False) does: half-pixel centres, source coordinates clamped at the edges, no antialiasing",
@@ -294,7 +300,10 @@ class ExportJob:
             "pytorch_test_accuracy": self.torch_acc, "test_samples": len(inputs.labels) if inputs.labels is not None else 0,
             "test_set": (None if inputs.labels is None else
                          "samples its run's devices held out and never trained on (the run pooled the data set's splits)"
-                         if src.held_out is not None else "the data set's test split"),
+                         if src.held_out is not None else
+                         "the data set's test split, part of which its run's devices trained on (the run pooled the splits, and "
+                         "this model file predates edgefl recording what they held out): an optimistic accuracy"
+                         if src.pooled else "the data set's test split"),
             "edgefl_version": edgefl_version(), "exporter_versions": exporter_versions(),
             "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "normalisation": self.norm, "view": self.view,
         }

@@ -51,6 +51,7 @@ class ModelSource:
     view_settings: ViewSettings | None = None  # a file saved before the fitted view was recorded: refit from seed and device
     client_id: str | None = None  # the device whose private model this is
     held_out: list[int] | None = None  # a pooled run's held-out samples (indices into train + test): what the export judges on
+    pooled: bool = False  # its run pooled train and test (its devices trained on part of the test split)
 
     @property
     def latent_dim(self) -> int | None:
@@ -76,8 +77,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, An
     try:
         return load_model_file(path)
     except MetadataError as exc:
-        raise ExportSourceError(f"{path}: {exc}", hint="the file was changed after edgefl wrote it: export the run's own copy, "
-                                                       "or pass --model to rebuild the architecture from a file without metadata") from None
+        raise ExportSourceError(f"{path}: {exc}", hint=_CHANGED) from None
     except Exception as exc:  # safetensors raises its own errors for truncated or foreign files
         raise ExportSourceError(f"{path} is not a readable safetensors weights file ({exc})",
                                 hint="pass a models/*.safetensors file from a run directory, or the run directory itself") from None
@@ -140,7 +140,12 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
         round=meta.get("round"), weights_path=str(path), weights_sha256=sha256_file(path),
         run_name=facts.get("name"), method=facts.get("method"), seed=facts.get("seed"), view=view, view_settings=view_settings,
         client_id=client[:200] if isinstance(client, str) else None, held_out=meta.get("held_out_indices"),
+        pooled=bool(facts.get("pooled")),
     )
+
+
+_CHANGED = ("the file's metadata was changed after edgefl wrote it (edgefl trusts none of it): restore the file from a copy, "
+            "or run the training again to save it anew")
 
 
 def _is_int(v: Any, low: int, high: int) -> bool:
@@ -167,12 +172,11 @@ def _check_meta(meta: dict[str, Any], path: Path) -> None:
         value = meta.get(key)
         if value is not None and not fits(value):
             raise ExportSourceError(f"{path}: its metadata field {key!r} is {str(value)[:40]!r}, not {what}",
-                                    hint="the file was changed after edgefl wrote it: export the run's own copy, or pass --model "
-                                         "to rebuild the architecture from a file without metadata")
+                                    hint=_CHANGED)
     names, classes = meta.get("class_names"), meta.get("num_classes")
     if names is not None and classes is not None and len(names) != classes:
         raise ExportSourceError(f"{path}: its metadata names {len(names)} classes but counts {classes}",
-                                hint="the file was changed after edgefl wrote it: export the run's own copy")
+                                hint=_CHANGED)
 
 
 def _view(record: Any, input_shape: tuple[int, ...], path: Path) -> tuple[View | None, ViewSettings | None]:
@@ -213,6 +217,8 @@ def _run_facts(run: Path) -> dict[str, Any]:
         out["method"] = record["method"][:100]
     if isinstance(record.get("seed"), int) and not isinstance(record.get("seed"), bool):
         out["seed"] = record["seed"]
+    source = (record.get("dataset") or {}).get("source") if isinstance(record.get("dataset"), dict) else None
+    out["pooled"] = isinstance(source, str) and "(train+test pooled)" in source  # edgefl.build.pooled names it so
     return out
 
 

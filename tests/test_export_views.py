@@ -44,6 +44,7 @@ def test_a_device_model_on_a_feature_view_exports_and_a_phone_can_feed_it_raw_fe
     # judged on the samples its device held out (the run pooled train and test), never on ones it trained on
     held = load_model_file(meta["source"]["weights"])[1]["held_out_indices"]
     assert meta["test_set"].startswith("samples its run's devices held out") and meta["test_samples"] == len(held)
+    assert meta["parity"]["samples"] == 128 > len(held)  # the files are compared with PyTorch on any real samples, not only those
     # what a phone does: raw scikit-learn features -> the view's columns -> standardised as the sidecar says
     ds = load_dataset("breast-cancer")
     mean, std = (np.asarray(v, dtype=np.float64) for v in ds.standardisation)
@@ -63,9 +64,11 @@ def test_a_model_file_that_recorded_only_the_views_settings_is_refitted_from_the
     meta["view"] = {"kind": "features", "fraction": 0.5}  # as edgefl wrote it before it recorded the fitted view
     old_run = RunDir.create(tmp_path / "old", "old", 0)
     (old_run.path / "run.json").write_text((chfl_run / "run.json").read_text())
+    del meta["held_out_indices"]  # nor what its device held out: the test split it is judged on was partly trained on, said
     old_run.save_model(device.stem, state, meta)
     files = export_path(old_run.path / "models" / device.name, tmp_path / "out", formats=("onnx",), mobile_check=False)
-    assert read_sidecar(files[0].path)["view"]["columns"] == fitted["columns"]
+    old = read_sidecar(files[0].path)
+    assert old["view"]["columns"] == fitted["columns"] and old["test_set"].endswith("an optimistic accuracy")
     (old_run.path / "run.json").unlink()  # without the run's seed the view cannot be fitted again
     with pytest.raises(EdgeflError, match="does not record, and its run's seed or device is unknown"):
         export_path(old_run.path / "models" / device.name, tmp_path / "out2", formats=("onnx",), mobile_check=False)

@@ -37,6 +37,8 @@ def test_bad_views():
         ViewSettings(kind="crop")
     with pytest.raises(ValueError, match="view 'permute' takes no settings, not fraction"):
         ViewSettings(kind="permute", fraction=0.5)
+    with pytest.raises(ValueError, match="needs fraction or count, not both"):
+        ViewSettings(kind="features", fraction=0.5, count=5)
     with pytest.raises(ValueError, match="view 'crop' takes size, not count"):
         ViewSettings(kind="crop", size=20, count=3)
     with pytest.raises(ConfigError, match="for tabular data"):

@@ -38,8 +38,8 @@ class ViewSettings(BaseModel):
     def _params(self) -> ViewSettings:
         if self.kind in ("resize", "crop") and self.size is None:
             raise ValueError(f"view {self.kind!r} needs size")
-        if self.kind == "features" and self.fraction is None and self.count is None:
-            raise ValueError("view 'features' needs fraction or count")
+        if self.kind == "features" and (self.fraction is None) == (self.count is None):
+            raise ValueError("view 'features' needs fraction or count" + (", not both" if self.fraction is not None else ""))
         takes = {"features": {"fraction", "count"}, "resize": {"size"}, "crop": {"size"}}.get(self.kind, set())
         stray = sorted(k for k in ("fraction", "count", "size") if getattr(self, k) is not None and k not in takes)
         if stray:
