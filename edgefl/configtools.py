@@ -62,7 +62,7 @@ def format_validation_error(exc: ValidationError, root: type[BaseModel], prefix:
             key = str(loc[-1])
             lines.append(f"{where}: unknown key{suggest(key, _fields_at(root, loc[:-1]))}")
         else:
-            lines.append(f"{where or '(top level)'}: {err['msg']}")
+            lines.append(f"{where or '(top level)'}: {err['msg'].removeprefix('Value error, ')}")  # pydantic's prefix for our own checks
     return "\n".join(lines)
 
 
