@@ -61,6 +61,16 @@ class DeviceSlot:
         return self.view.output_shape if self.view else ds.input_shape
 
 
+def held_out_indices(cfg: RunConfig, slots: list[DeviceSlot]) -> list[int] | None:
+    """The samples the devices held out and never trained on, as indices into the data set's train
+    and test splits concatenated (the pool a ``client_test_fraction`` run partitions), or None when
+    the run judges on the data set's own test split. An export checks a model on these: the test
+    split of a pooled run was partly trained on."""
+    if not cfg.data.client_test_fraction or cfg.data.device_held:
+        return None
+    return sorted({int(i) for s in slots if s.test_indices is not None for i in s.test_indices})
+
+
 def pooled(ds: Dataset) -> Dataset:
     """Train and test in one pool, for configs where each device holds out its own test split."""
     return Dataset(ds.name, torch.cat([ds.x_train, ds.x_test]), torch.cat([ds.y_train, ds.y_test]),

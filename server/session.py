@@ -18,7 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from edgefl.build import DeviceSlot, RunParts, partition_record
+from edgefl.build import DeviceSlot, RunParts, held_out_indices, partition_record
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset, class_counts
@@ -542,16 +542,6 @@ def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
     """What every saved model's metadata carries about the run (edgefl export reads it)."""
     return {"num_classes": ds.num_classes, "input_shape": list(ds.input_shape), "class_names": list(ds.class_names),
             "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
-
-
-def held_out_indices(cfg: RunConfig, slots: list) -> list[int] | None:
-    """The samples the devices held out and never trained on, as indices into the data set's train
-    and test splits concatenated (the pool a ``client_test_fraction`` run partitions), or None when
-    the run judges on the data set's own test split. An export checks a model on these: the test
-    split of a pooled run was partly trained on."""
-    if not cfg.data.client_test_fraction or cfg.data.device_held:
-        return None
-    return sorted({int(i) for s in slots if s.test_indices is not None for i in s.test_indices})
 
 
 def save_global_models(run_dir: RunDir, server, cfg: RunConfig, ds: Dataset, slots: list | None = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from edgefl.build import DeviceSlot
+from edgefl.build import DeviceSlot, held_out_indices
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
 from edgefl.data.views import view_record
@@ -67,8 +67,6 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
 
 
 def _held_out(cfg: RunConfig, slot: DeviceSlot) -> dict[str, Any]:
-    from edgefl.server.session import held_out_indices
-
     held = held_out_indices(cfg, [slot])
     return {"held_out_indices": held} if held else {}
 

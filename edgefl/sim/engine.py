@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgefl.algorithms import ClientHalf
-from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federation_name
+from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federation_name, held_out_indices
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
@@ -36,7 +36,7 @@ from edgefl.rundir import RunDir
 from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
-from edgefl.server.session import DEVICES_FILE, RunSession, held_out_indices, model_meta, safe_name
+from edgefl.server.session import DEVICES_FILE, RunSession, model_meta, safe_name
 from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
