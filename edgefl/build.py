@@ -61,6 +61,10 @@ class DeviceSlot:
         return self.view.output_shape if self.view else ds.input_shape
 
 
+#: how a pooled data set's source ends (run.json records it; an export reads it from there)
+POOLED = " (train+test pooled)"
+
+
 def held_out_indices(cfg: RunConfig, slots: list[DeviceSlot]) -> list[int] | None:
     """The samples the devices held out and never trained on, as indices into the data set's train
     and test splits concatenated (the pool a ``client_test_fraction`` run partitions), or None when
@@ -74,7 +78,7 @@ def held_out_indices(cfg: RunConfig, slots: list[DeviceSlot]) -> list[int] | Non
 def pooled(ds: Dataset) -> Dataset:
     """Train and test in one pool, for configs where each device holds out its own test split."""
     return Dataset(ds.name, torch.cat([ds.x_train, ds.x_test]), torch.cat([ds.y_train, ds.y_test]),
-                   ds.x_test[:0], ds.y_test[:0], ds.class_names, ds.source + " (train+test pooled)", ds.files,
+                   ds.x_test[:0], ds.y_test[:0], ds.class_names, ds.source + POOLED, ds.files,
                    ds.standardisation, ds.pixel_divisor)
 
 

@@ -18,7 +18,8 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from edgefl.data.views import FITTED, View, ViewSettings, one_line, view_from_record
+from edgefl.data.views import FITTED, View, ViewSettings, is_shape, is_whole, one_line, view_from_record
+from edgefl.build import POOLED
 from edgefl.errors import EdgeflError
 from edgefl.models import build_model, get_spec
 
@@ -148,22 +149,18 @@ _CHANGED = ("the file's metadata was changed after edgefl wrote it (edgefl trust
             "or run the training again to save it anew")
 
 
-def _is_int(v: Any, low: int, high: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
-
-
 #: what each metadata field edgefl reads must be (the file may have been changed by anyone)
 _META_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model": ("a model name", lambda v: isinstance(v, str) and 0 < len(v) <= 100),
     "model_options": ("an object of options", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)),
-    "num_classes": ("a class count from 1 to 100000", lambda v: _is_int(v, 1, 100_000)),
-    "input_shape": ("a list of one to three sizes", lambda v: isinstance(v, list) and 1 <= len(v) <= 3 and all(_is_int(d, 1, 65536) for d in v)),
+    "num_classes": ("a class count from 1 to 100000", lambda v: is_whole(v, 1, 100_000)),
+    "input_shape": ("a list of one to three sizes", is_shape),
     "class_names": ("a list of names", lambda v: isinstance(v, list) and len(v) <= 100_000 and all(isinstance(n, str) and len(n) <= 200 for n in v)),
     "dataset": ("a data set's name", lambda v: isinstance(v, str) and len(v) <= 200),
-    "round": ("a round number", lambda v: _is_int(v, 0, 10**9)),
+    "round": ("a round number", lambda v: is_whole(v, 0, 10**9)),
     "client_id": ("a device id", lambda v: isinstance(v, str) and len(v) <= 200),
     "held_out_indices": ("a list of sample indices", lambda v: isinstance(v, list) and 0 < len(v) <= 10**7
-                         and all(_is_int(i, 0, 10**9) for i in v)),
+                         and all(is_whole(i, 0, 10**9) for i in v)),
 }
 
 
@@ -218,7 +215,7 @@ def _run_facts(run: Path) -> dict[str, Any]:
     if isinstance(record.get("seed"), int) and not isinstance(record.get("seed"), bool):
         out["seed"] = record["seed"]
     source = (record.get("dataset") or {}).get("source") if isinstance(record.get("dataset"), dict) else None
-    out["pooled"] = isinstance(source, str) and "(train+test pooled)" in source  # edgefl.build.pooled names it so
+    out["pooled"] = isinstance(source, str) and POOLED in source  # edgefl.build.pooled marks the data set's source so
     return out
 
 

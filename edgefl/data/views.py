@@ -129,9 +129,18 @@ def view_record(view: View) -> dict:
     return out
 
 
+def is_whole(value: object, low: int, high: int) -> bool:
+    """An int (not a bool, which JSON readers also give) from low to high: a field read from a file."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def is_shape(value: object) -> bool:
+    """A sample shape as a file lists it: one to three sizes from 1 to 65536."""
+    return isinstance(value, list) and 1 <= len(value) <= 3 and all(is_whole(v, 1, 65536) for v in value)
+
+
 def _shape(value: object, what: str) -> tuple[int, ...]:
-    if (not isinstance(value, list) or not 1 <= len(value) <= 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65536 for v in value)):
+    if not is_shape(value):
         raise ValueError(f"{what} must be a list of one to three sizes, got {str(value)[:80]}")
     return tuple(value)
 
@@ -139,7 +148,7 @@ def _shape(value: object, what: str) -> tuple[int, ...]:
 def _indices(value: object, what: str, bound: int, count: int) -> torch.Tensor:
     if not isinstance(value, list) or len(value) != count or count > _MAX_RECORD_ITEMS:
         raise ValueError(f"{what} must list {count} indices")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < bound for v in value):
+    if not all(is_whole(v, 0, bound - 1) for v in value):
         raise ValueError(f"{what} must hold indices below {bound}")
     return torch.tensor(value, dtype=torch.long)
 
