@@ -21,7 +21,7 @@ from edgefl.algorithms import ClientHalf, ClientSetup
 from edgefl.compute import resolve_device
 from edgefl.config import GroupSettings, RunConfig
 from edgefl.data import Dataset, class_counts, contiguous, dirichlet, iid, load_dataset, shards, subsample
-from edgefl.data.views import View, make_view
+from edgefl.data.views import View, make_view, view_record
 from edgefl.errors import ConfigError
 from edgefl.methods import get_method
 from edgefl.models import build_model, example_inputs
@@ -73,6 +73,25 @@ def held_out_indices(cfg: RunConfig, slots: list[DeviceSlot]) -> list[int] | Non
     if not cfg.data.client_test_fraction or cfg.data.device_held:
         return None
     return sorted({int(i) for s in slots if s.test_indices is not None for i in s.test_indices})
+
+
+def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
+    """What every saved model's metadata carries about the run (edgefl export reads it)."""
+    return {"num_classes": ds.num_classes, "input_shape": list(ds.input_shape), "class_names": list(ds.class_names),
+            "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
+
+
+def device_model_meta(cfg: RunConfig, ds: Dataset, slot: DeviceSlot, scope: str) -> dict[str, Any]:
+    """The metadata of one device's own model file (a simulation's ``client-*`` and ``ship-*``
+    files, a fleet device's ``model.safetensors``): the run's, and the device's architecture,
+    input shape, view and held-out samples."""
+    meta = {**model_meta(cfg, ds), "arch": slot.arch, "model": slot.model, "model_options": slot.model_options,
+            "scope": scope, "client_id": slot.client_id, "input_shape": list(slot.input_shape(ds)),
+            "view": view_record(slot.view) if slot.view else None}
+    held = held_out_indices(cfg, [slot])
+    if held:
+        meta["held_out_indices"] = held
+    return meta
 
 
 def pooled(ds: Dataset) -> Dataset:

@@ -10,6 +10,12 @@ After every round it trains, the device writes, before it sends the upload:
 * ``state.json``: the round, the run (the server's ``info.run``), the federation, the device id
   and a digest of the config.
 
+When the server announces the end of the run, the device also writes ``model.safetensors``: its
+model in the format of a run directory's model files (architecture, options, classes, input shape
+and the run in the metadata), so ``edgefl export STATE_DIR/model.safetensors`` turns it into phone
+files. That is how the model of a method that keeps one per device (FedHe, CHFL) leaves a fleet:
+the server never holds it (docs/export.md).
+
 Each file is written to a temporary name, flushed and renamed, and ``state.json`` last: a crash
 at any moment leaves the previous round's complete state. Training is seeded by (seed, device,
 round), so a device that crashed mid-round and retrains it from the saved state produces the
@@ -39,6 +45,7 @@ from edgefl.safejson import loads
 STATE_JSON = "state.json"
 CARRY = "carry.safetensors"
 UPLOAD = "upload.edfl"
+MODEL = "model.safetensors"  # the device's model at the end of a run, for edgefl export
 FORMAT = "edgefl-device-state/1"
 OLD = "old"  # where state of another config or run is kept: <folder>/old/<UTC time>/
 
@@ -66,7 +73,7 @@ class DeviceStateStore:
     def set_aside(self, why: str) -> Path | None:
         """Move the saved files into ``old/<UTC time>/`` (never deleted) and say so; returns where
         they went, None when there was nothing to move."""
-        present = [self.directory / name for name in (STATE_JSON, CARRY, UPLOAD) if (self.directory / name).exists()]
+        present = [self.directory / name for name in (STATE_JSON, CARRY, UPLOAD, MODEL) if (self.directory / name).exists()]
         if not present:
             return None
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -99,6 +106,19 @@ class DeviceStateStore:
         except OSError as exc:
             raise EdgeflError(f"cannot save the device state in {self.directory}: {exc.strerror or exc}",
                               hint="free some space or pass a writable --state-dir") from None
+
+    def save_model(self, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+        """Write the device's final model (``model.safetensors``, metadata as a run directory's model
+        files carry it: each value JSON) and return its path."""
+        path = self.directory / MODEL
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _atomic_write(path, lambda p: save_file(tensors, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
+        except OSError as exc:
+            raise EdgeflError(f"cannot save the device's model in {self.directory}: {exc.strerror or exc}",
+                              hint="free some space or pass a writable --state-dir") from None
+        return path
 
     def load(self) -> tuple[int, str | None, dict[str, torch.Tensor], bytes] | None:
         """(round, run, carried tensors, packed upload) of the last round saved; None when the folder

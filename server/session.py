@@ -18,7 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from edgefl.build import DeviceSlot, RunParts, held_out_indices, partition_record
+from edgefl.build import DeviceSlot, RunParts, held_out_indices, model_meta, partition_record
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset, class_counts
@@ -536,12 +536,6 @@ def build_server(cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot]):
         infos, method.parse_options(cfg.method.options()), seed=cfg.seed, num_classes=ds.num_classes, input_shape=ds.input_shape,
         dataset=ds.name, device=cfg.device,
     )
-
-
-def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
-    """What every saved model's metadata carries about the run (edgefl export reads it)."""
-    return {"num_classes": ds.num_classes, "input_shape": list(ds.input_shape), "class_names": list(ds.class_names),
-            "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
 
 
 def save_global_models(run_dir: RunDir, server, cfg: RunConfig, ds: Dataset, slots: list | None = None) -> dict[str, Any]:

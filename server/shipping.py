@@ -6,7 +6,8 @@
   shared group, local-only): one model per architecture, the device's whose accuracy on its
   own held-out data (or on the shared test set) was best in the last evaluation; ties go to the
   device with more samples. Its weights are written as ``models/ship-<arch>.safetensors`` where
-  the run holds them (a simulation); in a fleet they stay on that device, and ship.json names it.
+  the run holds them (a simulation); in a fleet they stay on that device, and ship.json names it
+  (the device writes them as ``model.safetensors`` in its state folder when the run ends).
   Averaging the weights of independently trained devices of one architecture is not done: their
   models start from different initialisations, and an average of them is no model at all.
 
@@ -18,14 +19,14 @@ files by default (every device's private model only when asked, ``--all``).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from edgefl.build import DeviceSlot, held_out_indices
+from edgefl.build import DeviceSlot, device_model_meta
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
-from edgefl.data.views import view_record
 from edgefl.models import get_spec
 from edgefl.rundir import RunDir
 
@@ -66,11 +67,6 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
     return out
 
 
-def _held_out(cfg: RunConfig, slot: DeviceSlot) -> dict[str, Any]:
-    held = held_out_indices(cfg, [slot])
-    return {"held_out_indices": held} if held else {}
-
-
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],
                     device_models: dict[str, dict[str, torch.Tensor]] | None, meta: dict[str, Any]) -> dict[str, Any]:
     """Decide and write what a phone should get (``device_models``: each device's weights when
@@ -97,17 +93,70 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
                                             f"device(s) training {arch} ({judged})"}
             if device_models is not None and best.client_id in device_models:
                 name = f"ship-{safe_name(arch)}"
-                run_dir.save_model(name, device_models[best.client_id],
-                                   {**meta, "arch": arch, "model": best.model, "model_options": best.model_options, "scope": "ship",
-                                    "client_id": best.client_id, "input_shape": list(best.input_shape(ds)), "accuracy": acc,
-                                    "view": view_record(best.view) if best.view else None,
-                                    **_held_out(cfg, best)})
+                run_dir.save_model(name, device_models[best.client_id], {**meta, **device_model_meta(cfg, ds, best, "ship"), "accuracy": acc})
                 entry["file"] = f"models/{name}.safetensors"
             else:
                 entry["file"] = None
-                entry["where"] = (f"on device {best.client_id} (its state folder, edgefl client --state-dir: carry.safetensors, "
-                                  "tensors model.*): the server never holds a device's private model")
+                entry["where"] = (f"on device {best.client_id}: model.safetensors in its state folder (edgefl client --state-dir), "
+                                  "written when the run ended; copy it and run edgefl export on it. The server never holds a "
+                                  "device's private model")
             shipped[arch] = entry
     plan = {"kind": kind, "method": cfg.method.name, "models": shipped, "phones": _phones(cfg, ds, shipped, slots)}
     run_dir.write_json(PLAN_FILE, plan)
     return plan
+
+
+def adopt_device_models(run_dir: RunDir, state_dirs: dict[str, Any]) -> list[str]:
+    """A local fleet (``edgefl fleet``, every device's state folder on this machine): copy each
+    device's final model (``model.safetensors``, written when the run ended) into the run
+    directory as a simulation saves it (``models/<device>-<arch>.safetensors``), and the model
+    ship.json names into ``models/ship-<arch>.safetensors``, so the run directory exports alike
+    whichever runner played it. Returns the files written. A method with global models ships
+    those, and nothing is copied."""
+    import shutil
+
+    from edgefl.device_state import MODEL
+    from edgefl.rundir import load_model_file
+
+    path = run_dir.path / PLAN_FILE
+    try:
+        plan = run_dir.read_json(PLAN_FILE) if path.is_file() else None
+    except ValueError:
+        plan = None
+    if not isinstance(plan, dict) or plan.get("kind") == "global":
+        return []
+    written: list[str] = []
+    arch_of: dict[str, str] = {}
+    for device, folder in sorted(state_dirs.items()):
+        source = Path(folder) / MODEL
+        if not source.is_file():
+            continue
+        try:
+            _, meta = load_model_file(source)
+        except Exception as exc:  # a device's file this process did not write: said, and left out
+            log.warning("%s: its model file %s is unreadable (%s); not copied into the run directory", device, source, exc)
+            continue
+        arch = meta.get("arch")
+        if not isinstance(arch, str) or not arch:
+            continue
+        arch_of[device] = arch
+        target = run_dir.path / "models" / f"{device}-{safe_name(arch)}.safetensors"
+        shutil.copyfile(source, target)
+        written.append(str(target.relative_to(run_dir.path)))
+    for arch, entry in (plan.get("models") or {}).items():
+        device = entry.get("device") if isinstance(entry, dict) else None
+        if entry.get("file") is None and arch_of.get(device) == arch:
+            name = f"models/ship-{safe_name(arch)}.safetensors"
+            shutil.copyfile(Path(state_dirs[device]) / MODEL, run_dir.path / name)
+            entry["file"] = name
+            entry.pop("where", None)
+            written.append(name)
+    if written:
+        run_dir.write_json(PLAN_FILE, plan)
+        try:
+            summary = run_dir.read_json("summary.json")
+            summary["ship"] = plan
+            run_dir.write_json("summary.json", summary)
+        except (OSError, ValueError, TypeError):
+            pass  # the summary is the server's; ship.json is the plan's own record
+    return written

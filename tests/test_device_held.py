@@ -145,6 +145,30 @@ def test_devices_with_their_own_image_folders_finish_a_run_and_a_stranger_class_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["failed_rounds"] == []
     assert any("declined" in reason for reason in json.dumps(summary["rejections"]).split('"'))
+    _check_device_models(tmp_path, federation, ["client-0", "client-1", "client-2"], outcome, run, ds if method == "fedhe" else None)
+
+
+def _check_device_models(tmp_path: Path, federation: str, devices: list[str], outcome: dict, run: Path, export_on=None) -> None:
+    """Each device wrote its model into its state folder when the run ended and said where; the
+    file rebuilds as the model it trained (the task's architecture, classes and shape), and a
+    method without global models names that file in ship.json."""
+    from edgefl.exporters import load_weights_file
+
+    plan = json.loads((run / "ship.json").read_text())
+    for device in devices:
+        path = tmp_path / "xdg-state" / "edgefl" / federation / device / "model.safetensors"
+        assert f"its model is in {path}" in outcome[device][1] and "--dataset NAME" in outcome[device][1]
+        src = load_weights_file(path)
+        assert src.client_id == device and src.class_names and src.dataset is None
+        if export_on is not None:  # what the device said to run: the export checks it against PyTorch on real samples
+            from edgefl.exporters import export_model
+
+            pytest.importorskip("onnxruntime")
+            files = export_model(src, tmp_path / "export" / device, formats=("onnx",), dynamic_batch=False, dataset=export_on)
+            assert files and all(f.parity is not None and f.parity.samples == 128 and f.accuracy is not None for f in files)
+            export_on = None  # one device is enough
+    if plan["kind"] != "global":
+        assert all("model.safetensors" in entry["where"] for entry in plan["models"].values())
 
 
 def test_a_csv_holding_chfl_device_trains_on_its_own_table(tmp_path):
@@ -172,6 +196,7 @@ def test_a_csv_holding_chfl_device_trains_on_its_own_table(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [sorted(r["reported"]) for r in records] == [["client-0", "client-1"]] * 2
     assert records[-1]["accuracy"]["overall"] > 0.6  # standardised with the task's statistics, the table is learnable
+    _check_device_models(tmp_path, federation, ["client-0", "client-1"], outcome, run)
 
 
 def test_a_device_started_before_its_broker_keeps_trying_and_joins(tmp_path):

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from edgefl.device_state import CARRY, OLD, STATE_JSON, UPLOAD, DeviceStateStore
+from edgefl.device_state import CARRY, MODEL, OLD, STATE_JSON, UPLOAD, DeviceStateStore
 from edgefl.errors import EdgeflError
 
 
@@ -63,6 +63,20 @@ def test_a_new_run_keeps_the_old_runs_state_aside_when_it_saves_its_first_round(
     assert "another run (run-a, not run-b)" in caplog.text
     store.save(2, "run-b", {"w": torch.zeros(2)}, b"round 2 of run-b")  # later rounds of the same run overwrite as before
     assert len(_kept(tmp_path)) == 1
+
+
+def test_the_model_of_a_finished_run_is_kept_aside_with_its_state_when_the_next_run_starts(tmp_path):
+    from edgefl.rundir import load_model_file
+
+    store = _save(tmp_path, run="run-a", round_no=3)
+    path = store.save_model({"w": torch.full((2,), 7.0)}, {"model": "mlp", "round": 3, "run": "run-a"})
+    tensors, meta = load_model_file(path)  # the format of a run directory's model files (edgefl export reads it)
+    assert path == tmp_path / MODEL and torch.equal(tensors["w"], torch.full((2,), 7.0)) and meta["run"] == "run-a"
+    store = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64)
+    store.load()
+    store.save(1, "run-b", {"w": torch.zeros(2)}, b"round 1 of run-b")
+    (kept,) = _kept(tmp_path)
+    assert {p.name for p in kept.iterdir()} == {STATE_JSON, CARRY, UPLOAD, MODEL} and not (tmp_path / MODEL).exists()
 
 
 def test_the_same_run_continuing_overwrites_its_own_state(tmp_path):

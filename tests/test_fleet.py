@@ -611,6 +611,26 @@ def test_edgefl_fleet_command_runs_an_example_and_writes_its_run_directory(tmp_p
     assert "round 1 complete" in res.stderr and "final accuracy" in res.stdout
     assert json.loads((out / "summary.json").read_text())["runner"] == "fleet"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    # FedHe keeps a model per device: each device wrote its own when the run ended, and the local
+    # fleet copied them into the run directory as a simulation saves them, bit for bit the same
+    from safetensors.torch import load_file
+
+    from edgefl.config import load_config
+    from edgefl.exporters import sources_from_path
+    from edgefl.rundir import RunDir
+    from edgefl.sim import Simulation
+
+    plan = json.loads((out / "ship.json").read_text())
+    assert plan["kind"] != "global" and all(entry["file"] and "where" not in entry for entry in plan["models"].values())
+    assert json.loads((out / "summary.json").read_text())["ship"] == plan
+    assert {s.name for s in sources_from_path(out)} == {Path(e["file"]).stem for e in plan["models"].values()}
+    cfg = load_config(example, ["rounds=1", "threads=1"])
+    Simulation(cfg, show_progress=False, run_dir=RunDir.create(tmp_path / "sim", cfg.name, cfg.seed)).run()
+    fleet_files = sorted(f.name for f in (out / "models").glob("*.safetensors"))
+    assert fleet_files == sorted(f.name for f in (tmp_path / "sim" / "models").glob("*.safetensors"))
+    for name in fleet_files:
+        fleet, sim = load_file(str(out / "models" / name)), load_file(str(tmp_path / "sim" / "models" / name))
+        assert fleet.keys() == sim.keys() and all(fleet[k].equal(sim[k]) for k in fleet), name
 
 
 def test_a_one_shot_fedmho_fleet_matches_its_simulation(tmp_path):

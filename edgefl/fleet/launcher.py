@@ -32,8 +32,9 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 
-from edgefl.build import RunParts, build_run, federation_name
+from edgefl.build import RunParts, build_run, device_model_meta, federation_name
 from edgefl.config import RunConfig
+from edgefl.errors import EdgeflError
 from edgefl.filters import build_chain
 from edgefl.rundir import RunDir
 from edgefl.transport.topics import Topics, device_ids
@@ -102,6 +103,7 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     parts = build_run(cfg, check=False, raw_pixels=True)
     client = parts.client(device_id)  # a ConfigError naming the fleet's ids for a stranger
     x_test, y_test = parts.x_test, parts.y_test
+    model_meta = device_model_meta(cfg, parts.ds, parts.slot(device_id), "device")
     del parts  # the whole data set: the device keeps its own samples and the test subset
     topics = Topics(federation(cfg))
     options = connection_options(packet_limit(cfg), cfg.network.keepalive_s, cfg.network.protocol, username, password, ca_file)
@@ -114,7 +116,9 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
         if saved is not None:
             log.warning("%s: found the state it saved after round %d in %s (used if the server runs the same run)",
                         device_id, saved, state_dir)
-        return loop.run(timeout_s)
+        results = loop.run(timeout_s)
+        save_final_model(loop, model_meta, log.warning)
+        return results
     finally:
         transport.close()
 
@@ -152,9 +156,43 @@ def run_device_held(device_id: str, broker: str, federation_name: str, data: Pat
         loop = DeviceLoop(joined.client, transport, topics.federation, task.network, None, None, task.eval_batch_size, store, verifier,
                           build_chain(task.filter_chain(), "device", task.seed, device_id))
         loop.restore()
-        return loop.run(timeout_s)
+        results = loop.run(timeout_s)
+        save_final_model(loop, task_model_meta(task), say)
+        return results
     finally:
         transport.close()
+
+
+def task_model_meta(task: Any) -> dict[str, Any]:
+    """The model-file metadata of a device that got its task from the server (:mod:`edgefl.task`):
+    what the task says of the model and the samples. The task does not name the server's data set,
+    so an export of this file is told it (``edgefl export FILE --dataset NAME``)."""
+    data = task.data
+    meta: dict[str, Any] = {"num_classes": len(data.class_names), "input_shape": list(data.input_shape),
+                            "class_names": list(data.class_names), "method": task.method.name, "arch": task.model.arch,
+                            "model": task.model.name, "model_options": dict(task.model.options), "scope": "device",
+                            "client_id": task.device}
+    return meta
+
+
+def save_final_model(loop: Any, meta: dict[str, Any], say: Callable[[str], None]) -> Path | None:
+    """When the run ended (not a timeout) and the device keeps state, write its model into the
+    state folder (``model.safetensors``, edgefl.device_state) and say where: a method that keeps
+    one model per device ships it from there (the server never holds it). A failure to write is
+    said, never raised: the run is over and the device's part in it is done."""
+    if loop.state is None or not loop.finished:
+        return None
+    if not loop.served:  # never trained in this run: its weights are not the run's result
+        say(f"{loop.device}: the run is over; this device trained no round of it, so it saved no model")
+        return None
+    try:
+        path = loop.state.save_model(loop.client.model.state_dict(), {**meta, "round": max(loop.served), "run": loop.run_id})
+    except EdgeflError as exc:
+        say(f"{loop.device}: the run is over, but its model could not be saved: {exc.message}")
+        return None
+    dataset = "" if meta.get("dataset") else " --dataset NAME (the server's data set, which names the task)"
+    say(f"{loop.device}: the run is over; its model is in {path} (to make phone files of it: edgefl export {path}{dataset})")
+    return path
 
 
 def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console | None = None,
@@ -260,6 +298,16 @@ def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, 
                 console.print(f"[yellow]{device} did not exit after the run: stopping it[/]")
         summary["device_exit_codes"] = {d: p.poll() for d, p in procs.items()}
         summary["logs"] = str(logs)
+        if run_dir is not None:  # the devices' own models (FedHe, CHFL...) into the run directory, as a simulation saves them
+            from edgefl.server.shipping import adopt_device_models
+
+            try:
+                adopted = adopt_device_models(run_dir, {d: work / "state" / d for d in ids})
+            except OSError as exc:
+                console.print(f"[yellow]the devices' models could not be copied into {run_dir.path}: {exc}[/]")
+            else:
+                if adopted:
+                    summary["ship"] = run_dir.read_json("ship.json")
         clean = (not keep and not summary.get("interrupted") and not summary.get("failed_rounds")
                  and set(summary["device_exit_codes"].values()) <= {0})
         if clean:

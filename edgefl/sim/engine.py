@@ -23,11 +23,10 @@ from safetensors.torch import save_file
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgefl.algorithms import ClientHalf
-from edgefl.build import DeviceSlot, RunParts, build_client, build_run, federation_name, held_out_indices
+from edgefl.build import DeviceSlot, RunParts, build_client, build_run, device_model_meta, federation_name
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
-from edgefl.data.views import view_record
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.heartbeat import Heartbeat
@@ -36,7 +35,7 @@ from edgefl.rundir import RunDir
 from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
-from edgefl.server.session import DEVICES_FILE, RunSession, model_meta, safe_name
+from edgefl.server.session import DEVICES_FILE, RunSession, safe_name
 from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
@@ -325,15 +324,9 @@ class Simulation:
     def _save_client_models(self) -> None:
         """Knowledge methods have no global model: each device's own model is the result."""
         assert self.run_dir is not None
-        base = model_meta(self.cfg, self.ds)
         for cid, client in self.clients.items():
             slot = self.slot_of[cid]
-            meta = {**base, "arch": slot.arch, "model": slot.model, "model_options": slot.model_options,
-                    "scope": "client", "client_id": cid, "input_shape": list(slot.input_shape(self.ds)),
-                    "view": view_record(slot.view) if slot.view else None}
-            held = held_out_indices(self.cfg, [slot])
-            if held:
-                meta["held_out_indices"] = held
+            meta = device_model_meta(self.cfg, self.ds, slot, "client")
             self.run_dir.save_model(f"{cid}-{safe_name(slot.arch)}", client.model.state_dict(), meta)
 
 
