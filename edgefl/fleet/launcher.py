@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 
@@ -39,6 +39,10 @@ from edgefl.filters import build_chain
 from edgefl.rundir import RunDir
 from edgefl.transport.topics import Topics, device_ids
 from edgefl.userdirs import state_home
+
+if TYPE_CHECKING:
+    from edgefl.device import DeviceLoop
+    from edgefl.task import Task
 
 log = logging.getLogger("edgefl.device")
 
@@ -163,7 +167,7 @@ def run_device_held(device_id: str, broker: str, federation_name: str, data: Pat
         transport.close()
 
 
-def task_model_meta(task: Any) -> dict[str, Any]:
+def task_model_meta(task: Task) -> dict[str, Any]:
     """The model-file metadata of a device that got its task from the server (:mod:`edgefl.task`):
     what the task says of the model and the samples. The task does not name the server's data set,
     so an export of this file is told it (``edgefl export FILE --dataset NAME``)."""
@@ -175,7 +179,7 @@ def task_model_meta(task: Any) -> dict[str, Any]:
     return meta
 
 
-def save_final_model(loop: Any, meta: dict[str, Any], say: Callable[[str], None]) -> Path | None:
+def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str], None]) -> Path | None:
     """When the run ended (not a timeout) and the device keeps state, write its model into the
     state folder (``model.safetensors``, edgefl.device_state) and say where: a method that keeps
     one model per device ships it from there (the server never holds it). A failure to write is
