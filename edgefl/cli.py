@@ -17,9 +17,11 @@ from rich.table import Table
 from edgefl.errors import EdgeflError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning across heterogeneous edge devices.")
-# Piped output (logs, CI) gets a wide fixed width instead of rich's 80-column fallback.
-out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# Piped output (logs, CI) gets a wide fixed width instead of rich's 80-column fallback, and its
+# messages are not wrapped: one message a line, whole paths and reasons, is what grep and log
+# readers need (tables still fit the width)
+out = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=not sys.stdout.isatty())
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160, soft_wrap=not sys.stderr.isatty())
 
 
 #: every command that loads data takes the folder of its files (data.data_dir)

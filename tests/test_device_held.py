@@ -157,7 +157,8 @@ def _check_device_models(tmp_path: Path, federation: str, devices: list[str], ou
     plan = json.loads((run / "ship.json").read_text())
     for device in devices:
         path = tmp_path / "xdg-state" / "edgefl" / federation / device / "model.safetensors"
-        assert f"its model is in {path}" in outcome[device][1] and "--dataset NAME" in outcome[device][1]
+        said = " ".join(outcome[device][1].split())  # the console wraps long lines
+        assert f"its own model is in {path}" in said and f"edgefl export {path} --dataset NAME" in said
         src = load_weights_file(path)
         assert src.client_id == device and src.class_names and src.dataset is None
         if export_on is not None:  # what the device said to run: the export checks it against PyTorch on real samples

@@ -195,7 +195,8 @@ def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str]
         say(f"{loop.device}: the run is over, but its model could not be saved: {exc.message}")
         return None
     dataset = "" if meta.get("dataset") else " --dataset NAME (the server's data set, which names the task)"
-    say(f"{loop.device}: the run is over; its model is in {path} (to make phone files of it: edgefl export {path}{dataset})")
+    say(f"{loop.device}: the run is over; its own model is in {path} (phone files of it: edgefl export {path}{dataset}; "
+        "which model phones should get, the server's global one where the method has one, is in the run's ship.json)")
     return path
 
 
