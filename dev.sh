@@ -126,7 +126,12 @@ case "$job" in
         setup_venv
         # lint first (pyproject.toml [tool.ruff]): a finding fails the run before the slow tests
         "$VENV/bin/ruff" check . || { echo "ruff found problems (see above); fix them or run: $VENV/bin/ruff check --fix ." >&2; exit 1; }
-        exec "$VENV/bin/python" -m pytest "$@"
+        # the tests in parallel processes (pytest-xdist), one a core up to four: each test trains
+        # on one thread, and many wait on brokers and device processes; EDGEFL_TEST_WORKERS=0 runs
+        # them in this one process (options given after `test` come later and win over these)
+        cores=$(nproc 2>/dev/null || echo 1)
+        workers=${EDGEFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
+        exec "$VENV/bin/python" -m pytest -n "$workers" "$@"
         ;;
     bench)
         apt_install dataset-fashion-mnist mosquitto
