@@ -43,7 +43,7 @@ import torch
 from edgefl.algorithms import ClientHalf
 from edgefl.config import NetworkSettings
 from edgefl.device_state import DeviceStateStore
-from edgefl.errors import PayloadError
+from edgefl.errors import EdgeflError, PayloadError
 from edgefl.filters import Filter
 from edgefl.messages import Message, decode, encode
 from edgefl.transport.base import Delivery, DeviceTransport
@@ -343,7 +343,11 @@ class DeviceLoop:
         for old in [k for k in self.served if k < r - 1]:
             del self.served[old]
         if self.state is not None:  # before sending: a crash after the send resends this very upload
-            self.state.save(r, self.run_id, self.carry_state(), pack(upload))
+            try:
+                self.state.save(r, self.run_id, self.carry_state(), pack(upload))
+            except EdgeflError as exc:  # the state only serves a restart: the round's upload still goes
+                log.warning("%s: round %d: %s (hint: %s); the upload is sent, but a crash now would lose this round",
+                            self.device, r, exc.message, exc.hint)
         self._send(upload)
 
     def package(self, env: Envelope, message: Message) -> Envelope:

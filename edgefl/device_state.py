@@ -21,8 +21,8 @@ at any moment leaves the previous round's complete state. Training is seeded by 
 round), so a device that crashed mid-round and retrains it from the saved state produces the
 same upload as if it had never crashed.
 
-State of another config (or federation, or state format) and state of another run are never
-deleted: the files are moved into ``old/<UTC time>/`` inside the folder, with a log line, and the
+State of another config (or federation, or state format), state of another run and state that
+cannot be read (a damaged file) are never deleted: the files are moved into ``old/<UTC time>/`` inside the folder, with a log line, and the
 device starts afresh (docs/PROTOCOL.md section 9). State of another device id is an error: two
 devices sharing one folder would otherwise keep moving each other's state aside.
 """
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from edgefl.errors import EdgeflError, PayloadError
@@ -87,7 +88,7 @@ class DeviceStateStore:
             for path in present:
                 os.replace(path, target / path.name)
         except OSError as exc:
-            raise EdgeflError(f"cannot move the device state in {self.directory} aside ({why}): {exc.strerror or exc}",
+            raise EdgeflError(f"cannot move the device state in {self.directory} aside ({why}): {getattr(exc, 'strerror', None) or exc}",
                               hint="free some space, or pass a writable --state-dir") from None
         log.warning("%s: the saved state in %s is from %s: moved it to %s (kept, not used); this device starts afresh",
                     self.identity["device"], self.directory, why, target)
@@ -103,8 +104,8 @@ class DeviceStateStore:
             _atomic_write(self.directory / UPLOAD, lambda p: p.write_bytes(upload))
             _atomic_write(self.directory / STATE_JSON,
                           lambda p: p.write_text(json.dumps({**self.identity, "round": round_no, "run": run}, sort_keys=True)))
-        except OSError as exc:
-            raise EdgeflError(f"cannot save the device state in {self.directory}: {exc.strerror or exc}",
+        except (OSError, SafetensorError) as exc:  # safetensors reports a refused write as its own error
+            raise EdgeflError(f"cannot save the device state in {self.directory}: {getattr(exc, 'strerror', None) or exc}",
                               hint="free some space or pass a writable --state-dir") from None
 
     def save_model(self, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
@@ -115,8 +116,8 @@ class DeviceStateStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _atomic_write(path, lambda p: save_file(tensors, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
-        except OSError as exc:
-            raise EdgeflError(f"cannot save the device's model in {self.directory}: {exc.strerror or exc}",
+        except (OSError, SafetensorError) as exc:
+            raise EdgeflError(f"cannot save the device's model in {self.directory}: {getattr(exc, 'strerror', None) or exc}",
                               hint="free some space or pass a writable --state-dir") from None
         return path
 
@@ -128,15 +129,16 @@ class DeviceStateStore:
         path = self.directory / STATE_JSON
         if not path.is_file():
             return None
+        # unreadable files (a power cut mid-write of the file system, a full disk, a hand edit) are
+        # kept aside, not deleted, and the device starts afresh: failing instead would fail again at
+        # every restart (a crash loop under systemd's Restart=always)
         try:
             info: Any = loads(path.read_bytes()[:4096], str(path))
             if not isinstance(info, dict) or not isinstance(info.get("round"), int):
                 raise PayloadError("not a device state file")
-            tensors = load_file(str(self.directory / CARRY))
-            upload = (self.directory / UPLOAD).read_bytes()
-        except (OSError, PayloadError, ValueError, RuntimeError) as exc:
-            raise EdgeflError(f"the device state in {self.directory} is unreadable: {exc}",
-                              hint="delete that folder to start this device afresh") from None
+        except (OSError, PayloadError, ValueError) as exc:
+            self.set_aside(f"unreadable state ({str(exc)[:200]})")
+            return None
         theirs = {k: info.get(k) for k in self.identity}
         if theirs["device"] != self.identity["device"]:
             raise EdgeflError(f"the device state in {self.directory} belongs to device {str(theirs['device'])[:64]!r}, "
@@ -145,6 +147,12 @@ class DeviceStateStore:
         if theirs != self.identity:
             differs = ", ".join(k for k in self.identity if theirs[k] != self.identity[k])
             self.set_aside(f"another config ({differs} differ)")
+            return None
+        try:
+            tensors = load_file(str(self.directory / CARRY))
+            upload = (self.directory / UPLOAD).read_bytes()
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            self.set_aside(f"unreadable state ({str(exc)[:200]})")
             return None
         run = info.get("run") if isinstance(info.get("run"), str) else None
         self._held = (run,)

@@ -118,6 +118,16 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
             raise DataError(f"{src.name}: no dataset to check the export on (the weights do not name one)",
                             hint="pass --dataset NAME (parity and int8 calibration use real samples)")
         dataset = load_dataset(src.dataset)
+    named = list(src.class_names)
+    if named and len(named) == len(dataset.class_names) and named != list(dataset.class_names) \
+            and named != [str(i) for i in range(len(named))]:
+        # the sidecar's labels come from the file, its accuracy from the data set's order: a phone
+        # would name every answer wrongly
+        differ = next(i for i, (a, b) in enumerate(zip(named, dataset.class_names)) if a != b)
+        raise DataError(f"{src.name} names its classes otherwise than {dataset.name}: class {differ} is "
+                        f"{named[differ][:60]!r} in the file, {dataset.class_names[differ][:60]!r} in the data set",
+                        hint="pass the data set the model was trained on (--dataset); if it is, the file's class_names were changed "
+                             "after edgefl wrote it: restore it from a copy")
     view = device_view(src, dataset)
     raw_shape = tuple(dataset.x_test.shape[1:])
     if view is not None and tuple(view.input_shape) != raw_shape:
@@ -296,7 +306,9 @@ class ExportJob:
             "class_labels": self.labels, "num_classes": src.num_classes,
             "parameters": sum(p.numel() for p in self.module.parameters()), "flops_per_sample": int(flops),
             "source": {"run": src.run, "run_name": src.run_name, "method": src.method, "seed": src.seed, "round": src.round,
-                       "weights": src.weights_path, "weights_sha256": src.weights_sha256, "dataset": src.dataset},
+                       "weights": src.weights_path, "weights_sha256": src.weights_sha256,
+                       "dataset": src.dataset or (inputs.dataset.name if inputs.dataset else None),
+                       "device": src.client_id, "run_id": src.run_id},
             "pytorch_test_accuracy": self.torch_acc, "test_samples": len(inputs.labels) if inputs.labels is not None else 0,
             "test_set": (None if inputs.labels is None else
                          "samples its run's devices held out and never trained on (the run pooled the data set's splits)"

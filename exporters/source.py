@@ -51,6 +51,7 @@ class ModelSource:
     view: View | None = None  # the device's feature space the model was trained on (CHFL's views)
     view_settings: ViewSettings | None = None  # a file saved before the fitted view was recorded: refit from seed and device
     client_id: str | None = None  # the device whose private model this is
+    run_id: str | None = None  # the server's id of the run that trained it (a fleet device's own model file names it)
     held_out: list[int] | None = None  # a pooled run's held-out samples (indices into train + test): what the export judges on
     pooled: bool = False  # its run pooled train and test (its devices trained on part of the test split)
 
@@ -139,7 +140,8 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
         input_shape=shape, class_names=list(meta.get("class_names") or [str(i) for i in range(classes)]),
         dataset=meta.get("dataset"), run=str(run) if run is not None else None,
         round=meta.get("round"), weights_path=str(path), weights_sha256=sha256_file(path),
-        run_name=facts.get("name"), method=facts.get("method"), seed=facts.get("seed"), view=view, view_settings=view_settings,
+        run_name=facts.get("name"), method=facts.get("method") or meta.get("method"), seed=facts.get("seed"), view=view,
+        view_settings=view_settings, run_id=meta.get("run"),
         client_id=client[:200] if isinstance(client, str) else None, held_out=meta.get("held_out_indices"),
         pooled=bool(facts.get("pooled")),
     )
@@ -159,6 +161,8 @@ _META_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "dataset": ("a data set's name", lambda v: isinstance(v, str) and len(v) <= 200),
     "round": ("a round number", lambda v: is_whole(v, 0, 10**9)),
     "client_id": ("a device id", lambda v: isinstance(v, str) and len(v) <= 200),
+    "method": ("a method name", lambda v: isinstance(v, str) and len(v) <= 100),
+    "run": ("a run id", lambda v: isinstance(v, str) and len(v) <= 64),
     "held_out_indices": ("a list of sample indices", lambda v: isinstance(v, list) and 0 < len(v) <= 10**7
                          and all(is_whole(i, 0, 10**9) for i in v)),
 }

@@ -102,3 +102,31 @@ def test_a_download_is_trained_under_a_flood_that_never_pauses():
     assert not runner.is_alive(), "the device kept reading the flood"
     assert any(unpack(d, 1 << 30).type == "upload" for d in loop.transport.sent)
     assert loop.refused > 100  # the flood was read, and refused
+
+
+def test_a_state_folder_that_refuses_writes_costs_the_crash_insurance_not_the_round(tmp_path, monkeypatch, caplog):
+    """The saved state only serves a restart: a device whose --state-dir refuses writes says so with
+    the hint, and still uploads every round it trains (it used to drop the round with a traceback)."""
+    import logging
+
+    from safetensors import SafetensorError
+    from edgefl.sim import Simulation
+
+    import edgefl.device_state as device_state
+    from edgefl.device_state import DeviceStateStore
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 1, kind: PermissionDenied })")
+
+    raw = method_config("fedavg", rounds=1)
+    raw["network"] = {"federation": FED}
+    cfg = validate_config(raw)
+    parts = build_run(cfg)
+    sim = Simulation(cfg, show_progress=False)
+    monkeypatch.setattr(device_state, "save_file", refuse)
+    store = DeviceStateStore(tmp_path, "client-0", FED, "a" * 64)
+    loop = DeviceLoop(parts.client("client-0"), Queued([_download(sim.server.downlink(1, "client-0"))]), FED, cfg.network, state=store)
+    with caplog.at_level(logging.WARNING, logger="edgefl.device"):
+        loop.run(timeout_s=5.0)
+    assert [e.round for e in (unpack(d, 1 << 30) for d in loop.transport.sent) if e.type == "upload"] == [1]
+    assert "cannot save the device state" in caplog.text and "writable --state-dir" in caplog.text and "Traceback" not in caplog.text

@@ -167,6 +167,8 @@ def _check_device_models(tmp_path: Path, federation: str, devices: list[str], ou
             pytest.importorskip("onnxruntime")
             files = export_model(src, tmp_path / "export" / device, formats=("onnx",), dynamic_batch=False, dataset=export_on)
             assert files and all(f.parity is not None and f.parity.samples == 128 and f.accuracy is not None for f in files)
+            source = json.loads(files[0].sidecar.read_text())["source"]  # where the file came from: device, run, data set
+            assert source["device"] == device and source["run_id"] and source["method"] == "fedhe" and source["dataset"] == "fashion-mnist"
             export_on = None  # one device is enough
     if plan["kind"] != "global":
         assert all("model.safetensors" in entry["where"] for entry in plan["models"].values())

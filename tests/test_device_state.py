@@ -100,3 +100,47 @@ def test_state_of_another_device_is_refused_with_what_to_do(tmp_path):
         DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load()
     assert "its own --state-dir" in str(caught.value)
     assert (tmp_path / STATE_JSON).exists() and _kept(tmp_path) == []  # nothing moved: it is client-1's
+
+
+@pytest.mark.parametrize("damage", ["carry", "state"])
+def test_damaged_state_is_kept_aside_and_the_device_starts_afresh_instead_of_failing_at_every_restart(tmp_path, caplog, damage):
+    _save(tmp_path)
+    if damage == "carry":  # cut short (a power cut mid-write of the file system)
+        data = (tmp_path / CARRY).read_bytes()
+        (tmp_path / CARRY).write_bytes(data[: len(data) // 2])
+    else:
+        (tmp_path / STATE_JSON).write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="edgefl.device"):
+        assert DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load() is None
+    (kept,) = _kept(tmp_path)
+    assert {p.name for p in kept.iterdir()} == {STATE_JSON, CARRY, UPLOAD}
+    assert "unreadable state" in caplog.text and "starts afresh" in caplog.text
+
+
+def test_a_state_folder_that_refuses_writes_is_one_error_with_what_to_do(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import edgefl.device_state as device_state
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 1, kind: PermissionDenied })")
+
+    monkeypatch.setattr(device_state, "save_file", refuse)
+    store = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64)
+    for save in (lambda: store.save(1, "run-a", {"w": torch.ones(2)}, b"x"), lambda: store.save_model({"w": torch.ones(2)}, {})):
+        with pytest.raises(EdgeflError) as caught:
+            save()
+        assert "PermissionDenied" in str(caught.value) and "writable --state-dir" in caught.value.hint
+
+
+def test_a_device_without_a_state_folder_says_at_the_end_that_its_model_was_not_kept():
+    from types import SimpleNamespace
+
+    from edgefl.fleet.launcher import save_final_model
+
+    said: list[str] = []
+    loop = SimpleNamespace(finished=True, state=None, served={2: object()}, device="client-2")
+    assert save_final_model(loop, {}, said.append) is None
+    assert len(said) == 1 and "--no-state" in said[0] and "nobody has it" in said[0]
+    save_final_model(SimpleNamespace(finished=False, state=None, served={2: object()}, device="client-2"), {}, said.append)
+    assert len(said) == 1  # a device that timed out says nothing of the run's end

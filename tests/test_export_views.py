@@ -94,6 +94,9 @@ def test_a_model_file_with_a_damaged_view_is_refused_before_any_export(chfl_run,
     ("view", {"kind": "banana"}, "view record is unusable: kind: Input should be"),
     ("view", {"kind": "features", "fraction": 0.5, "columns": [1]}, "view record is unusable: input_shape is missing"),
     ("view", {"kind": "features"}, "view record is unusable: view 'features' needs fraction or count\n"),
+    # the labels a phone shows come from the file, the measured accuracy from the data set's order
+    ("class_names", ["benign", "malignant"], "names its classes otherwise than breast-cancer: class 0 is 'benign' in the file, 'malignant'"),
+    ("run", 5, "'run' is '5', not a run id"),
 ])
 def test_damaged_metadata_is_refused_naming_the_field(chfl_run, tmp_path, field, value, message):
     device = sorted((chfl_run / "models").glob("client-*.safetensors"))[0]

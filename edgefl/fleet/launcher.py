@@ -184,7 +184,12 @@ def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str]
     state folder (``model.safetensors``, edgefl.device_state) and say where: a method that keeps
     one model per device ships it from there (the server never holds it). A failure to write is
     said, never raised: the run is over and the device's part in it is done."""
-    if loop.state is None or not loop.finished:
+    if not loop.finished:
+        return None
+    if loop.state is None:
+        if loop.served:
+            say(f"{loop.device}: the run is over; this device keeps no state (--no-state), so its model was not saved: where "
+                "the run's ship.json names this device's model, nobody has it (run devices with a --state-dir)")
         return None
     if not loop.served:  # never trained in this run: its weights are not the run's result
         say(f"{loop.device}: the run is over; this device trained no round of it, so it saved no model")
