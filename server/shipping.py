@@ -68,9 +68,11 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
 
 
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],
-                    device_models: dict[str, dict[str, torch.Tensor]] | None, meta: dict[str, Any]) -> dict[str, Any]:
+                    device_models: dict[str, dict[str, torch.Tensor]] | None, meta: dict[str, Any],
+                    run_id: str | None = None) -> dict[str, Any]:
     """Decide and write what a phone should get (``device_models``: each device's weights when
-    this process holds them, a simulation; None in a fleet)."""
+    this process holds them, a simulation; None in a fleet). ``run_id``: the server's id of the run
+    (a fleet device's model file names it, so the two can be matched)."""
     globals_ = server.global_models()
     shipped: dict[str, dict[str, Any]] = {}
     if globals_:
@@ -98,10 +100,10 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
             else:
                 entry["file"] = None
                 entry["where"] = (f"on device {best.client_id}: model.safetensors in its state folder (edgefl client --state-dir), "
-                                  "written when the run ended; copy it and run edgefl export on it. The server never holds a "
-                                  "device's private model")
+                                  f"written when the run ended (its metadata's run is {run_id}; a later run moves it into old/); "
+                                  "copy it and run edgefl export on it. The server never holds a device's private model")
             shipped[arch] = entry
-    plan = {"kind": kind, "method": cfg.method.name, "models": shipped, "phones": _phones(cfg, ds, shipped, slots)}
+    plan = {"kind": kind, "method": cfg.method.name, "run_id": run_id, "models": shipped, "phones": _phones(cfg, ds, shipped, slots)}
     run_dir.write_json(PLAN_FILE, plan)
     return plan
 

@@ -21,9 +21,10 @@ RUN_FACTS = {"runner", "started", "wall_time_s", "run_dir", "broker", "deadline_
 
 
 def _ship_choice(plan: dict) -> dict:
-    """What a run ships, without where the weights lie (a simulation holds every device's model and
+    """What a run ships, without where the weights lie and the run's random id (a simulation holds every device's model and
     writes it; in a fleet the chosen model stays on its device)."""
-    return {**plan, "models": {a: {k: v for k, v in m.items() if k not in ("file", "where")} for a, m in plan["models"].items()},
+    return {**{k: v for k, v in plan.items() if k != "run_id"},
+            "models": {a: {k: v for k, v in m.items() if k not in ("file", "where")} for a, m in plan["models"].items()},
             "phones": {p: {k: v for k, v in c.items() if k != "file"} for p, c in plan["phones"].items()}}
 
 
