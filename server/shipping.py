@@ -153,6 +153,9 @@ def adopt_device_models(run_dir: RunDir, state_dirs: dict[str, Any]) -> list[str
             entry["file"] = name
             entry.pop("where", None)
             written.append(name)
+            for pick in (plan.get("phones") or {}).values():  # the phone classes given this architecture get its file too
+                if isinstance(pick, dict) and pick.get("arch") == arch:
+                    pick["file"] = name
     if written:
         run_dir.write_json(PLAN_FILE, plan)
         try:

@@ -622,6 +622,7 @@ def test_edgefl_fleet_command_runs_an_example_and_writes_its_run_directory(tmp_p
 
     plan = json.loads((out / "ship.json").read_text())
     assert plan["kind"] != "global" and all(entry["file"] and "where" not in entry for entry in plan["models"].values())
+    assert all(pick["file"] == plan["models"][pick["arch"]]["file"] for pick in plan["phones"].values() if pick["arch"])
     assert json.loads((out / "summary.json").read_text())["ship"] == plan
     assert {s.name for s in sources_from_path(out)} == {Path(e["file"]).stem for e in plan["models"].values()}
     cfg = load_config(example, ["rounds=1", "threads=1"])
