@@ -115,7 +115,7 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         return ExportInputs(draws(parity_samples), None, None, calib, dataset)
     if dataset is None:
         if not src.dataset:
-            raise DataError(f"{src.name}: no dataset to check the export on (the weights do not name one)",
+            raise DataError(f"no dataset to check the export of {src.name} on (the weights do not name one)",
                             hint="pass --dataset NAME (parity and int8 calibration use real samples)")
         dataset = load_dataset(src.dataset)
     named = list(src.class_names)
