@@ -68,8 +68,7 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
 
 
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],
-                    device_models: dict[str, dict[str, torch.Tensor]] | None, meta: dict[str, Any],
-                    run_id: str | None = None) -> dict[str, Any]:
+                    device_models: dict[str, dict[str, torch.Tensor]] | None, run_id: str | None = None) -> dict[str, Any]:
     """Decide and write what a phone should get (``device_models``: each device's weights when
     this process holds them, a simulation; None in a fleet). ``run_id``: the server's id of the run
     (a fleet device's model file names it, so the two can be matched)."""
@@ -95,7 +94,7 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
                                             f"device(s) training {arch} ({judged})"}
             if device_models is not None and best.client_id in device_models:
                 name = f"ship-{safe_name(arch)}"
-                run_dir.save_model(name, device_models[best.client_id], {**meta, **device_model_meta(cfg, ds, best, "ship"), "accuracy": acc})
+                run_dir.save_model(name, device_models[best.client_id], {**device_model_meta(cfg, ds, best, "ship"), "accuracy": acc})
                 entry["file"] = f"models/{name}.safetensors"
             else:
                 entry["file"] = None

@@ -172,11 +172,9 @@ def task_model_meta(task: Task) -> dict[str, Any]:
     what the task says of the model and the samples. The task does not name the server's data set,
     so an export of this file is told it (``edgefl export FILE --dataset NAME``)."""
     data = task.data
-    meta: dict[str, Any] = {"num_classes": len(data.class_names), "input_shape": list(data.input_shape),
-                            "class_names": list(data.class_names), "method": task.method.name, "arch": task.model.arch,
-                            "model": task.model.name, "model_options": dict(task.model.options), "scope": "device",
-                            "client_id": task.device}
-    return meta
+    return {"num_classes": len(data.class_names), "input_shape": list(data.input_shape), "class_names": list(data.class_names),
+            "method": task.method.name, "arch": task.model.arch, "model": task.model.name, "model_options": dict(task.model.options),
+            "scope": "device", "client_id": task.device}
 
 
 def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str], None]) -> Path | None:
