@@ -281,6 +281,28 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def estimate_cell(times: list[float], evaluated: list[bool], rounds: int, every: int,
+                  startup: float) -> tuple[float | None, list[float], bool, float | None]:
+    """From a probe's round times (and which rounds evaluated), a cell's seconds a round, its evaluations'
+    extra seconds, whether only the first round was timed, and the whole cell's estimated seconds."""
+    # the first round carries one-off costs (allocations, kernels' first launch); an evaluation round costs its
+    # round plus the evaluation (the devices asked for their accuracy too): the two are timed apart
+    later = [t for t, e in zip(times[1:], evaluated[1:]) if not e]
+    first_only = False
+    if later:
+        per_round = statistics.median(later)
+    elif every == 1 and len(times) > 1:  # every round evaluates: a round's time includes it
+        per_round = statistics.median(times[1:])
+    elif times:  # only the first round (and perhaps an evaluation round) timed: one-off costs included
+        per_round, first_only = times[0], True
+    else:
+        return None, [], False, None
+    # an evaluation is timed apart only against a plain round's time, not the first round's one-off costs
+    evals = [max(0.0, t - per_round) for t, e in zip(times, evaluated) if e] if every > 1 and not first_only else []
+    eval_cost = (statistics.fmean(evals) if evals else 0.0) * (rounds // every + 1)
+    return per_round, evals, first_only, per_round * rounds + eval_cost + startup
+
+
 def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds: float) -> dict[str, Any]:
     """Run one cell for ``seconds`` (then kill it: a probe is not meant to resume) and estimate, from
     its per-round times, the wall time of the whole cell on this machine and device."""
@@ -314,26 +336,10 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
     rounds = int(config["rounds"])
     times = [float(r.get("round_time_s", 0.0)) for r in records]
     evaluated = [r.get("accuracy") is not None for r in records]
-    # the first round carries one-off costs (allocations, kernels' first launch); an evaluation round costs its
-    # round plus the evaluation (the devices asked for their accuracy too): the two are timed apart
-    later = [t for t, e in zip(times[1:], evaluated[1:]) if not e]
-    first_only = False
-    if later:
-        per_round = statistics.median(later)
-    elif every == 1 and len(times) > 1:  # every round evaluates: a round's time includes it
-        per_round = statistics.median(times[1:])
-    elif times:  # only the first round (and perhaps an evaluation round) timed: one-off costs included
-        per_round, first_only = times[0], True
-    else:
-        per_round = None
-    evals = [t - per_round for t, e in zip(times, evaluated) if e] if every > 1 and per_round is not None else []
-    estimate = None
-    if per_round is not None:
-        # process start, data, models: up to the last timed round's end, less the rounds themselves
-        last_closed = records[-1].get("closed_unix") if records else None
-        startup = max(0.0, (float(last_closed) - started_unix if last_closed else wall) - sum(times))
-        eval_cost = (statistics.fmean(evals) if evals else 0.0) * (rounds // every + 1)
-        estimate = per_round * rounds + eval_cost + startup
+    last_closed = records[-1].get("closed_unix") if records else None
+    # process start, data, models: up to the last timed round's end, less the rounds themselves
+    startup = max(0.0, (float(last_closed) - started_unix if last_closed else wall) - sum(times))
+    per_round, evals, first_only, estimate = estimate_cell(times, evaluated, rounds, every, startup)
     if finished:  # the whole cell ran within the probe: its time is known
         estimate, first_only = wall, False
     result = {"cell": cell.key, "row": cell.row, "column": cell.column, "rounds": rounds, "rounds_timed": len(records),
