@@ -151,7 +151,8 @@ class DeviceLoop:
         round_no, saved_run, tensors, upload = self._saved
         self._saved = None
         if saved_run != run:
-            log.warning("%s: the saved state is from another run (%s); starting afresh", self.device, saved_run)
+            # said once: the store moves the files aside (and says where) when this run's first round is saved
+            log.info("%s: the saved state is from another run (%s), not used", self.device, saved_run)
             return
         self.load_carry_state(tensors)
         self.served[round_no] = unpack(upload, self.net.max_message_bytes)

@@ -22,7 +22,8 @@ round), so a device that crashed mid-round and retrains it from the saved state 
 same upload as if it had never crashed.
 
 State of another config (or federation, or state format), state of another run and state that
-cannot be read (a damaged file) are never deleted: the files are moved into ``old/<UTC time>/`` inside the folder, with a log line, and the
+cannot be read (a damaged file) are never deleted: the files are moved into ``old/<UTC time>/`` inside the folder (with the ``export/`` folder
+of the model's phone files, when there is one), with a log line, and the
 device starts afresh (docs/PROTOCOL.md section 9). State of another device id is an error: two
 devices sharing one folder would otherwise keep moving each other's state aside.
 """
@@ -47,6 +48,9 @@ STATE_JSON = "state.json"
 CARRY = "carry.safetensors"
 UPLOAD = "upload.edfl"
 MODEL = "model.safetensors"  # the device's model at the end of a run, for edgefl export
+# where `edgefl export STATE_DIR/model.safetensors` writes by default (exporters.default_out_dir): phone
+# files of the model beside it, so they go aside with it rather than stay to describe a model no longer there
+EXPORT = "export"
 FORMAT = "edgefl-device-state/1"
 OLD = "old"  # where state of another config or run is kept: <folder>/old/<UTC time>/
 
@@ -74,7 +78,7 @@ class DeviceStateStore:
     def set_aside(self, why: str) -> Path | None:
         """Move the saved files into ``old/<UTC time>/`` (never deleted) and say so; returns where
         they went, None when there was nothing to move."""
-        present = [self.directory / name for name in (STATE_JSON, CARRY, UPLOAD, MODEL) if (self.directory / name).exists()]
+        present = [self.directory / name for name in (STATE_JSON, CARRY, UPLOAD, MODEL, EXPORT) if (self.directory / name).exists()]
         if not present:
             return None
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from edgefl.device_state import CARRY, MODEL, OLD, STATE_JSON, UPLOAD, DeviceStateStore
+from edgefl.device_state import CARRY, EXPORT, MODEL, OLD, STATE_JSON, UPLOAD, DeviceStateStore
 from edgefl.errors import EdgeflError
 
 
@@ -72,11 +72,19 @@ def test_the_model_of_a_finished_run_is_kept_aside_with_its_state_when_the_next_
     path = store.save_model({"w": torch.full((2,), 7.0)}, {"model": "mlp", "round": 3, "run": "run-a"})
     tensors, meta = load_model_file(path)  # the format of a run directory's model files (edgefl export reads it)
     assert path == tmp_path / MODEL and torch.equal(tensors["w"], torch.full((2,), 7.0)) and meta["run"] == "run-a"
+    # its phone files where `edgefl export STATE_DIR/model.safetensors` puts them by default
+    from edgefl.exporters import default_out_dir
+
+    assert default_out_dir(path) == tmp_path / EXPORT
+    (tmp_path / EXPORT).mkdir()
+    (tmp_path / EXPORT / "model.onnx").write_bytes(b"onnx of run-a")
     store = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64)
     store.load()
     store.save(1, "run-b", {"w": torch.zeros(2)}, b"round 1 of run-b")
     (kept,) = _kept(tmp_path)
-    assert {p.name for p in kept.iterdir()} == {STATE_JSON, CARRY, UPLOAD, MODEL} and not (tmp_path / MODEL).exists()
+    assert {p.name for p in kept.iterdir()} == {STATE_JSON, CARRY, UPLOAD, MODEL, EXPORT} and not (tmp_path / MODEL).exists()
+    # the export goes with the model it was made from, not left to describe a model no longer there
+    assert (kept / EXPORT / "model.onnx").read_bytes() == b"onnx of run-a" and not (tmp_path / EXPORT).exists()
 
 
 def test_the_same_run_continuing_overwrites_its_own_state(tmp_path):
