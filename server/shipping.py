@@ -113,7 +113,10 @@ def adopt_device_models(run_dir: RunDir, state_dirs: dict[str, Any]) -> list[str
     directory as a simulation saves it (``models/<device>-<arch>.safetensors``), and the model
     ship.json names into ``models/ship-<arch>.safetensors``, so the run directory exports alike
     whichever runner played it. Returns the files written. A method with global models ships
-    those, and nothing is copied."""
+    those, and nothing is copied.
+
+    It runs after the devices have exited, not in the server's own finish: a device writes its file
+    only when it hears the server's end of the run, after the server wrote ship.json."""
     import shutil
 
     from edgefl.device_state import MODEL

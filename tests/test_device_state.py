@@ -152,3 +152,28 @@ def test_a_device_without_a_state_folder_says_at_the_end_that_its_model_was_not_
     assert len(said) == 1 and "--no-state" in said[0] and "nobody has it" in said[0]
     save_final_model(SimpleNamespace(finished=False, state=None, served={2: object()}, device="client-2"), {}, said.append)
     assert len(said) == 1  # a device that timed out says nothing of the run's end
+
+
+def test_a_model_that_cannot_be_written_at_the_runs_end_is_one_line_and_the_device_ends_normally(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from safetensors import SafetensorError
+
+    import edgefl.device_state as device_state
+    from edgefl.fleet.launcher import save_final_model
+
+    store = _save(tmp_path, run="run-a", round_no=3)
+    loop = SimpleNamespace(finished=True, state=store, served={3: object()}, device="client-0", run_id="run-a",
+                           client=SimpleNamespace(model=torch.nn.Linear(2, 2)))
+    said: list[str] = []
+    path = save_final_model(loop, {"model": "mlp", "dataset": "digits"}, said.append)
+    assert path == tmp_path / MODEL and len(said) == 1 and f"edgefl export {path}" in said[0] and "--dataset" not in said[0]
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(device_state, "save_file", refuse)
+    assert save_final_model(loop, {"model": "mlp"}, said.append) is None  # said, never raised: the run is over
+    assert len(said) == 2 and "could not be saved" in said[1] and "StorageFull" in said[1]
+    assert DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load()[:2] == (3, "run-a")  # the round's state kept
+    assert (tmp_path / MODEL).is_file()  # and the file written before: the write goes to a temporary name first

@@ -43,3 +43,40 @@ def test_a_method_with_global_models_ships_them(tmp_path):
     assert plan["kind"] == "global"
     assert all(m["file"].startswith("models/global-") and (path / m["file"]).is_file() for m in plan["models"].values())
     assert all(s.name.startswith("global-") for s in sources_from_path(path))
+
+
+def test_a_local_fleet_adopts_the_devices_readable_model_files_and_skips_a_damaged_one_with_a_line(tmp_path, caplog):
+    import logging
+    import shutil
+
+    from edgefl.device_state import MODEL
+    from edgefl.server.shipping import adopt_device_models
+
+    path, plan = _run(tmp_path, "fedhe")
+    cnn_arch = "fedhe-cnn-0(width=0.125)"
+    best = plan["models"][cnn_arch]["device"]
+    other = next(d for d in ("client-0", "client-1", "client-2") if d != best)
+    # as a fleet's server leaves it: no device's weights in the run directory, ship.json says where they are
+    kept = {d: (path / "models" / f"{d}-fedhe-cnn-0_width_0.125.safetensors").read_bytes() for d in (best, other)}
+    for model in (path / "models").iterdir():
+        model.unlink()
+    for entry in plan["models"].values():
+        entry["file"], entry["where"] = None, "on the device"
+    (path / "ship.json").write_text(json.dumps(plan))
+    states = {d: tmp_path / "state" / d for d in (best, other)}
+    for device, folder in states.items():
+        folder.mkdir(parents=True)
+        (folder / MODEL).write_bytes(kept[device])
+    (states[other] / MODEL).write_bytes(kept[other][: len(kept[other]) // 3])  # cut short: a power cut mid-copy
+    with caplog.at_level(logging.WARNING):
+        written = adopt_device_models(RunDir(path), states)
+    assert f"{other}: its model file" in caplog.text and "unreadable" in caplog.text
+    assert sorted(written) == sorted([f"models/{best}-fedhe-cnn-0_width_0.125.safetensors",
+                                      "models/ship-fedhe-cnn-0_width_0.125.safetensors"])
+    adopted = json.loads((path / "ship.json").read_text())["models"][cnn_arch]
+    assert adopted["file"] == "models/ship-fedhe-cnn-0_width_0.125.safetensors" and "where" not in adopted
+    assert (path / adopted["file"]).read_bytes() == kept[best]
+    assert json.loads((path / "summary.json").read_text())["ship"]["models"][cnn_arch]["file"] == adopted["file"]
+    shutil.rmtree(states[best])  # a fleet of devices that kept nothing: nothing to adopt, nothing written
+    (path / "models" / f"{best}-fedhe-cnn-0_width_0.125.safetensors").unlink()
+    assert adopt_device_models(RunDir(path), {best: states[best]}) == []
