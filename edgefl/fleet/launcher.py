@@ -197,9 +197,9 @@ def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str]
     except EdgeflError as exc:
         say(f"{loop.device}: the run is over, but its model could not be saved: {exc.message}")
         return None
-    dataset = "" if meta.get("dataset") else " --dataset NAME (the server's data set, which names the task)"
-    say(f"{loop.device}: the run is over; its own model is in {path} (phone files of it: edgefl export {path}{dataset}; "
-        "which model phones should get, the server's global one where the method has one, is in the run's ship.json)")
+    dataset = "" if meta.get("dataset") else " --dataset NAME"  # its task does not name the server's data set
+    say(f"{loop.device}: the run is over; its own model is in {path} (to phone files: edgefl export {path}{dataset}; "
+        "the run's ship.json says which model phones get)")
     return path
 
 
