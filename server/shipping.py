@@ -11,9 +11,10 @@
   Averaging the weights of independently trained devices of one architecture is not done: their
   models start from different initialisations, and an average of them is no model at all.
 
-For every phone class of the catalog (``device_class = "phone"``) the plan names the architecture
-``edgefl assign`` gives it among the run's architectures; ``edgefl export RUN_DIR`` exports those
-files by default (every device's private model only when asked, ``--all``).
+For every phone class of the catalog (``device_class = "phone"``) the plan names, of the shipped
+models that fit it by ``edgefl assign``'s budgets, the most accurate in the run's last evaluation
+(the largest that fits when the run measured none); ``edgefl export RUN_DIR`` exports those files
+by default (every device's private model only when asked, ``--all``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def safe_name(arch: str) -> str:
 
 
 def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slots: list[DeviceSlot]) -> dict[str, Any]:
-    """The architecture each phone class of the catalog gets among the run's shipped ones."""
+    """The model each phone class of the catalog gets among the run's shipped ones: of those that fit
+    it (``edgefl assign``'s budgets: it could train it in a round too), the most accurate in the run's
+    last evaluation; without accuracies, the largest that fits, as ``edgefl assign`` picks."""
     from edgefl.profile import catalog
     from edgefl.profile.assign import Budgets, assign
 
@@ -62,21 +65,40 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
         if result.chosen is None:
             out[profile.id] = {"arch": None, "why": result.reason}
             continue
-        arch = result.chosen.label  # assign labels a candidate as DeviceSlot.arch names it: model(option=value,...)
-        out[profile.id] = {"arch": arch, "file": shipped.get(arch, {}).get("file"), "why": f"edgefl assign: {result.reason}"}
+        largest = result.chosen.label  # assign labels a candidate as DeviceSlot.arch names it: model(option=value,...)
+        fitting = [v.label for v in result.verdicts if v.fits and v.label in shipped]
+        scored = {a: acc for a in fitting if isinstance(acc := shipped[a].get("accuracy"), (int, float))}
+        arch, why = largest, f"edgefl assign: {result.reason}"
+        if len(scored) > 1:
+            # a bigger model is not always the better one (a group with fewer devices, less data): of those
+            # that fit, the phone gets the one the run measured best; ties keep the larger
+            best = max(scored, key=lambda a: (scored[a], a == largest))
+            if best != largest:
+                arch = best
+                why = (f"the most accurate of the {len(fitting)} shipped models that fit it ({scored[best]:.4f} against "
+                       + (f"{scored[largest]:.4f} for the largest that fits, {largest}" if largest in scored
+                          else f"the largest that fits, {largest}, unmeasured") + ")")
+            else:
+                why += f"; also the most accurate of the {len(fitting)} that fit ({scored[best]:.4f})"
+        out[profile.id] = {"arch": arch, "file": shipped.get(arch, {}).get("file"), "accuracy": scored.get(arch),
+                           "largest_that_fits": largest, "why": why}
     return out
 
 
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],
-                    device_models: dict[str, dict[str, torch.Tensor]] | None, run_id: str | None = None) -> dict[str, Any]:
+                    device_models: dict[str, dict[str, torch.Tensor]] | None, run_id: str | None = None,
+                    arch_accuracy: dict[str, float] | None = None) -> dict[str, Any]:
     """Decide and write what a phone should get (``device_models``: each device's weights when
     this process holds them, a simulation; None in a fleet). ``run_id``: the server's id of the run
-    (a fleet device's model file names it, so the two can be matched)."""
+    (a fleet device's model file names it, so the two can be matched). ``arch_accuracy``: each
+    architecture's accuracy in the run's last evaluation (its ``per_arch``), for the global models."""
     globals_ = server.global_models()
     shipped: dict[str, dict[str, Any]] = {}
     if globals_:
         for arch in globals_:
+            acc = (arch_accuracy or {}).get(arch)
             shipped[arch] = {"file": f"models/global-{safe_name(arch)}.safetensors",
+                             "accuracy": float(acc) if isinstance(acc, (int, float)) else None,
                              "why": f"the server's global model of {arch} ({cfg.method.name})"}
         kind = "global"
     else:

@@ -43,6 +43,9 @@ def test_a_method_with_global_models_ships_them(tmp_path):
     assert plan["kind"] == "global"
     assert all(m["file"].startswith("models/global-") and (path / m["file"]).is_file() for m in plan["models"].values())
     assert all(s.name.startswith("global-") for s in sources_from_path(path))
+    per_arch = json.loads((path / "summary.json").read_text())["final_accuracy"]["per_arch"]
+    assert {a: m["accuracy"] for a, m in plan["models"].items()} == per_arch  # what a phone's pick is weighed by
+    assert all(p["accuracy"] == per_arch[p["arch"]] for p in plan["phones"].values())
 
 
 def test_a_local_fleet_adopts_the_devices_readable_model_files_and_skips_a_damaged_one_with_a_line(tmp_path, caplog):
@@ -80,3 +83,29 @@ def test_a_local_fleet_adopts_the_devices_readable_model_files_and_skips_a_damag
     shutil.rmtree(states[best])  # a fleet of devices that kept nothing: nothing to adopt, nothing written
     (path / "models" / f"{best}-fedhe-cnn-0_width_0.125.safetensors").unlink()
     assert adopt_device_models(RunDir(path), {best: states[best]}) == []
+
+
+def test_a_phone_gets_the_most_accurate_shipped_model_that_fits_it_not_merely_the_largest():
+    from edgefl.build import build_run
+    from edgefl.server.shipping import _phones
+
+    cfg = RunConfig.model_validate(digits_config("fedavg", rounds=1))
+    parts = build_run(cfg)
+    cnn, mlp = "fedhe-cnn-0(width=0.125)", "mlp(hidden=[32, 16])"
+
+    def shipped(cnn_acc, mlp_acc):
+        return {cnn: {"file": "models/global-cnn.safetensors", "accuracy": cnn_acc},
+                mlp: {"file": "models/global-mlp.safetensors", "accuracy": mlp_acc}}
+
+    unmeasured = _phones(cfg, parts.ds, shipped(None, None), parts.slots)
+    largest = unmeasured["android-midrange"]["largest_that_fits"]
+    assert all(p["arch"] == p["largest_that_fits"] == largest and p["accuracy"] is None for p in unmeasured.values())
+    assert largest == cnn  # both fit a phone; the CNN has the more FLOPs
+    # the smaller model ended more accurate (a group with less data): the phone gets it, and the plan says why
+    better_small = _phones(cfg, parts.ds, shipped(0.61, 0.83), parts.slots)["android-midrange"]
+    assert better_small["arch"] == mlp and better_small["file"] == "models/global-mlp.safetensors"
+    assert better_small["accuracy"] == 0.83 and better_small["largest_that_fits"] == cnn
+    assert "most accurate of the 2 shipped models that fit" in better_small["why"] and "0.6100" in better_small["why"]
+    # a tie keeps the larger; the larger being better keeps assign's reason and says it is also the best
+    tie = _phones(cfg, parts.ds, shipped(0.8, 0.8), parts.slots)["android-midrange"]
+    assert tie["arch"] == cnn and "also the most accurate" in tie["why"] and tie["why"].startswith("edgefl assign: ")
