@@ -66,7 +66,7 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
             out[profile.id] = {"arch": None, "why": result.reason}
             continue
         largest = result.chosen.label  # assign labels a candidate as DeviceSlot.arch names it: model(option=value,...)
-        fitting = [v.label for v in result.verdicts if v.fits and v.label in shipped]
+        fitting = [v.label for v in result.verdicts if v.fits and v.label in shipped and v.estimate.kind == "classifier"]
         scored = {a: acc for a in fitting if isinstance(acc := shipped[a].get("accuracy"), (int, float))}
         arch, why = largest, f"edgefl assign: {result.reason}"
         if len(scored) > 1:
