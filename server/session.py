@@ -435,7 +435,8 @@ class RunSession:
                 models = self.device_models() if self.device_models is not None else None
                 summary["ship"] = write_ship_plan(self.run_dir, self.cfg, self.parts.ds, self.parts.slots, self.server,
                                                   self.evaluator.device_accuracy, models, run_id=self.endpoint.run_id,
-                                                  arch_accuracy=(summary.get("final_accuracy") or {}).get("per_arch"))
+                                                  arch_accuracy=(summary.get("final_accuracy") or {}).get("per_arch"),
+                                                  shared_test_samples=len(self.parts.y_test) if self.parts.y_test is not None else None)
             except Exception:  # the plan is advice: a failure must not lose the run's other results
                 log.exception("could not write ship.json")
             self.run_dir.write_json("summary.json", summary)

@@ -85,13 +85,24 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
     return out
 
 
+def _judged_on(cfg: RunConfig, slot: DeviceSlot, shared_test_samples: int | None) -> str:
+    """What a device's reported accuracy was measured on, with the count where the server knows it: a
+    best device picked on a handful of held-out samples should say so."""
+    if cfg.data.device_held:
+        return "its own validation data"
+    if slot.test_indices is not None:
+        return f"its {len(slot.test_indices)} held-out samples"
+    return f"the shared test set ({shared_test_samples} samples)" if shared_test_samples else "the shared test set"
+
+
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],
                     device_models: dict[str, dict[str, torch.Tensor]] | None, run_id: str | None = None,
-                    arch_accuracy: dict[str, float] | None = None) -> dict[str, Any]:
+                    arch_accuracy: dict[str, float] | None = None, shared_test_samples: int | None = None) -> dict[str, Any]:
     """Decide and write what a phone should get (``device_models``: each device's weights when
     this process holds them, a simulation; None in a fleet). ``run_id``: the server's id of the run
     (a fleet device's model file names it, so the two can be matched). ``arch_accuracy``: each
-    architecture's accuracy in the run's last evaluation (its ``per_arch``), for the global models."""
+    architecture's accuracy in the run's last evaluation (its ``per_arch``), for the global models;
+    ``shared_test_samples``: the size of the test set devices judge on when they hold no split of their own."""
     globals_ = server.global_models()
     shipped: dict[str, dict[str, Any]] = {}
     if globals_:
@@ -110,8 +121,9 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
         for arch, members in groups.items():
             best = max(members, key=lambda s: (device_accuracy.get(s.client_id, -1.0), len(s.sample_indices)))
             acc = device_accuracy.get(best.client_id)
-            judged = f"accuracy {acc:.4f} in the last evaluation" if acc is not None else "no accuracy reported (most samples)"
-            entry: dict[str, Any] = {"device": best.client_id, "accuracy": acc,
+            on = _judged_on(cfg, best, shared_test_samples)
+            judged = (f"accuracy {acc:.4f} on {on} in the last evaluation" if acc is not None else "no accuracy reported (most samples)")
+            entry: dict[str, Any] = {"device": best.client_id, "accuracy": acc, "judged_on": on if acc is not None else None,
                                      "why": f"{cfg.method.name} keeps a model per device: {best.client_id}'s, the best of the {len(members)} "
                                             f"device(s) training {arch} ({judged})"}
             if device_models is not None and best.client_id in device_models:

@@ -11,9 +11,10 @@ from edgefl.sim import Simulation
 from tests.conftest import digits_config
 
 
-def _run(tmp_path, method: str):
+def _run(tmp_path, method: str, **data):
     raw = digits_config(method, rounds=1)
     raw["fleet"]["groups"][0]["count"] = 3
+    raw["data"].update(data)
     run = RunDir.create(tmp_path / method, raw["name"], 0)
     Simulation(RunConfig.model_validate(raw), run, show_progress=False).run()
     return run.path, json.loads((run.path / "ship.json").read_text())
@@ -28,6 +29,8 @@ def test_a_per_device_method_ships_the_best_device_of_each_architecture_and_expo
     members = ["client-0", "client-1", "client-2"]
     assert cnn["device"] == max(members, key=lambda d: reported[d]) and cnn["accuracy"] == reported[cnn["device"]]
     assert (path / cnn["file"]).is_file() and "best of the 3 device(s)" in cnn["why"]
+    test_used = json.loads((path / "run.json").read_text())["dataset"]["test_used"]
+    assert cnn["judged_on"] == f"the shared test set ({test_used} samples)" and cnn["judged_on"] in cnn["why"]
     assert set(plan["phones"]) == {"android-midrange", "iphone-15"}
     assert all(p["arch"] in plan["models"] for p in plan["phones"].values())
     shipped = sources_from_path(path)
@@ -109,3 +112,11 @@ def test_a_phone_gets_the_most_accurate_shipped_model_that_fits_it_not_merely_th
     # a tie keeps the larger; the larger being better keeps assign's reason and says it is also the best
     tie = _phones(cfg, parts.ds, shipped(0.8, 0.8), parts.slots)["android-midrange"]
     assert tie["arch"] == cnn and "also the most accurate" in tie["why"] and tie["why"].startswith("edgefl assign: ")
+
+
+def test_a_best_device_picked_on_its_own_held_out_samples_says_how_many(tmp_path):
+    path, plan = _run(tmp_path, "fedhe", client_test_fraction=0.3)
+    held_out = {c["client_id"]: c["num_test"] for c in json.loads((path / "partition.json").read_text())["clients"]}
+    for entry in plan["models"].values():
+        held = held_out[entry["device"]]
+        assert entry["judged_on"] == f"its {held} held-out samples" and f"on its {held} held-out samples" in entry["why"]
