@@ -52,6 +52,9 @@ MODEL = "model.safetensors"  # the device's model at the end of a run, for edgef
 # files of the model beside it, so they go aside with it rather than stay to describe a model no longer there
 EXPORT = "export"
 FORMAT = "edgefl-device-state/1"
+#: what a damaged state costs, said with it: the run's server sees only a device that starts over
+_LOST = ("; if the server still runs that run, this device's rounds in it are lost and it trains on from its initial "
+         "model (a damaged file: check the storage)")
 OLD = "old"  # where state of another config or run is kept: <folder>/old/<UTC time>/
 
 log = logging.getLogger("edgefl.device")
@@ -75,9 +78,24 @@ class DeviceStateStore:
         #: for another run first moves that state aside rather than overwriting it
         self._held: tuple[str | None] | None = None
 
+    def check_writable(self) -> None:
+        """Refuse a folder this device cannot write, before it joins a run: a device that trained
+        every round without being able to save would end the run with its model lost, while the
+        run's ship.json may name that model for phones."""
+        probe = self.directory / f".write-check-{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise EdgeflError(f"cannot write the device state folder {self.directory}: {exc.strerror or exc}",
+                              hint="pass a writable --state-dir (the device keeps its state and, at the run's end, its model "
+                                   "there), or --no-state to keep nothing") from None
+
     def set_aside(self, why: str) -> Path | None:
-        """Move the saved files into ``old/<UTC time>/`` (never deleted) and say so; returns where
-        they went, None when there was nothing to move."""
+        """Move the saved files into ``old/<UTC time>/`` (never deleted) and say so (``why``: what
+        the state is, completing "the saved state in FOLDER ..."); returns where they went, None when
+        there was nothing to move."""
         present = [self.directory / name for name in (STATE_JSON, CARRY, UPLOAD, MODEL, EXPORT) if (self.directory / name).exists()]
         if not present:
             return None
@@ -94,13 +112,13 @@ class DeviceStateStore:
         except OSError as exc:
             raise EdgeflError(f"cannot move the device state in {self.directory} aside ({why}): {getattr(exc, 'strerror', None) or exc}",
                               hint="free some space, or pass a writable --state-dir") from None
-        log.warning("%s: the saved state in %s is from %s: moved it to %s (kept, not used); this device starts afresh",
+        log.warning("%s: the saved state in %s %s: moved it to %s (kept, not used); this device starts afresh",
                     self.identity["device"], self.directory, why, target)
         return target
 
     def save(self, round_no: int, run: str | None, carry: dict[str, torch.Tensor], upload: bytes) -> None:
         if self._held is not None and self._held[0] != run:
-            self.set_aside(f"another run ({self._held[0]}, not {run})")
+            self.set_aside(f"is from another run ({self._held[0]}, not {run})")
         self._held = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -141,7 +159,7 @@ class DeviceStateStore:
             if not isinstance(info, dict) or not isinstance(info.get("round"), int):
                 raise PayloadError("not a device state file")
         except (OSError, PayloadError, ValueError) as exc:
-            self.set_aside(f"unreadable state ({str(exc)[:200]})")
+            self.set_aside(f"cannot be read ({str(exc)[:200]}){_LOST}")
             return None
         theirs = {k: info.get(k) for k in self.identity}
         if theirs["device"] != self.identity["device"]:
@@ -150,13 +168,14 @@ class DeviceStateStore:
                               hint="give every device its own --state-dir (the default is one folder per device id)")
         if theirs != self.identity:
             differs = ", ".join(k for k in self.identity if theirs[k] != self.identity[k])
-            self.set_aside(f"another config ({differs} differ)")
+            self.set_aside(f"is from another config ({differs} differ)")
             return None
         try:
             tensors = load_file(str(self.directory / CARRY))
             upload = (self.directory / UPLOAD).read_bytes()
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-            self.set_aside(f"unreadable state ({str(exc)[:200]})")
+            run = str(info.get("run"))[:64]
+            self.set_aside(f"(after round {info['round']} of run {run}) cannot be read ({str(exc)[:200]}){_LOST}")
             return None
         run = info.get("run") if isinstance(info.get("run"), str) else None
         self._held = (run,)

@@ -122,7 +122,11 @@ def test_damaged_state_is_kept_aside_and_the_device_starts_afresh_instead_of_fai
         assert DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load() is None
     (kept,) = _kept(tmp_path)
     assert {p.name for p in kept.iterdir()} == {STATE_JSON, CARRY, UPLOAD}
-    assert "unreadable state" in caplog.text and "starts afresh" in caplog.text
+    assert "cannot be read" in caplog.text and "starts afresh" in caplog.text
+    # it says what was lost: the server sees only a device that starts over
+    assert "rounds in it are lost" in caplog.text and "check the storage" in caplog.text
+    if damage == "carry":  # state.json was read: the round and run it held are named
+        assert "(after round 2 of run run-a) cannot be read" in caplog.text
 
 
 def test_a_state_folder_that_refuses_writes_is_one_error_with_what_to_do(tmp_path, monkeypatch):
@@ -177,3 +181,27 @@ def test_a_model_that_cannot_be_written_at_the_runs_end_is_one_line_and_the_devi
     assert len(said) == 2 and "could not be saved" in said[1] and "StorageFull" in said[1]
     assert DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load()[:2] == (3, "run-a")  # the round's state kept
     assert (tmp_path / MODEL).is_file()  # and the file written before: the write goes to a temporary name first
+
+
+def test_a_state_folder_that_cannot_be_written_is_refused_before_the_device_joins(tmp_path):
+    import subprocess
+    import sys
+
+    from edgefl.config import RunConfig
+    from tests.conftest import digits_config
+
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(EdgeflError, match="cannot write the device state folder") as caught:
+        DeviceStateStore(tmp_path / "a-file" / "state", "client-0", "fed", "a" * 64).check_writable()
+    assert "--no-state" in caught.value.hint and "writable --state-dir" in caught.value.hint
+    DeviceStateStore(tmp_path / "new" / "state", "client-0", "fed", "a" * 64).check_writable()  # made, and left empty
+    assert list((tmp_path / "new" / "state").iterdir()) == []
+    # the command: refused at once with the hint (exit 2), no broker needed to find out
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(RunConfig.model_validate(digits_config("fedhe", rounds=1)).to_toml())
+    run = subprocess.run([sys.executable, "-m", "edgefl", "client", "--broker", "mqtt://127.0.0.1:9", "--config", str(cfg),
+                          "--device-id", "client-0", "--timeout", "30", "--state-dir", str(tmp_path / "a-file" / "state")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    said = " ".join(run.stderr.split())
+    assert "cannot write the device state folder" in said and "--no-state" in said

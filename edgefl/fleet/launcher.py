@@ -110,10 +110,12 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     model_meta = device_model_meta(cfg, parts.ds, parts.slot(device_id), "device")
     del parts  # the whole data set: the device keeps its own samples and the test subset
     topics = Topics(federation(cfg))
+    store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
+    if store is not None:
+        store.check_writable()  # before it joins: not a run trained through only to lose its model at the end
     options = connection_options(packet_limit(cfg), cfg.network.keepalive_s, cfg.network.protocol, username, password, ca_file)
     transport = connect_retrying(lambda: device_transport(broker, topics, device_id, **options), broker_wait_s)
     try:
-        store = DeviceStateStore(state_dir, device_id, topics.federation, training_digest(cfg)) if state_dir else None
         loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store, verifier,
                           build_chain(cfg.filter_chain(), "device", cfg.seed, device_id))
         saved = loop.restore()
@@ -141,6 +143,8 @@ def run_device_held(device_id: str, broker: str, federation_name: str, data: Pat
     from edgefl.transport.registry import device_transport
 
     topics = Topics(federation_name)
+    if state_dir:  # before it joins (the store itself needs the task, to know its config)
+        DeviceStateStore(state_dir, device_id, topics.federation, "").check_writable()
     defaults = NetworkSettings()  # the task brings the run's own settings; these only carry the join
     options = connection_options(MQTT_MAX_PACKET, defaults.keepalive_s, defaults.protocol, username, password, ca_file)
     transport = connect_retrying(lambda: device_transport(broker, topics, device_id, **options), broker_wait_s, say)
@@ -195,7 +199,8 @@ def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str]
     try:
         path = loop.state.save_model(loop.client.model.state_dict(), {**meta, "round": max(loop.served), "run": loop.run_id})
     except EdgeflError as exc:
-        say(f"{loop.device}: the run is over, but its model could not be saved: {exc.message}")
+        say(f"{loop.device}: the run is over, but its model could not be saved: {exc.message} (hint: {exc.hint}; the run's "
+            "ship.json may name this device's model: the model it trained is lost with this process)")
         return None
     dataset = "" if meta.get("dataset") else " --dataset NAME"  # its task does not name the server's data set
     say(f"{loop.device}: the run is over; its own model is in {path} (to phone files: edgefl export {path}{dataset}; "
