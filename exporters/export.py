@@ -134,9 +134,10 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         raise DataError(f"{src.name} was trained on a view of inputs of shape {list(view.input_shape)}, but {dataset.name} has {list(raw_shape)}",
                         hint="pass the dataset the model was trained on (--dataset)")
     if view is None and raw_shape != tuple(src.input_shape):
+        older = ("; a device's model trained on a view of the data (fleet.groups[].view) records it from this version on: export "
+                 "that run's models again after re-running it") if src.client_id else ""
         raise DataError(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
-                        hint="pass the dataset the model was trained on (--dataset); a device's model trained on a view of the data "
-                             "(fleet.groups[].view) records it from this version on: export that run's models again after re-running it")
+                        hint=f"pass the dataset the model was trained on (--dataset){older}")
     # parity (the files against PyTorch) on any real samples; accuracy on samples the model never trained on
     parity_idx = torch.randperm(len(dataset.y_test), generator=torch.Generator().manual_seed(0))[:parity_samples].sort().values
     x_parity = dataset.x_test[parity_idx]

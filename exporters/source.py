@@ -9,6 +9,7 @@ do not fit.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
@@ -85,7 +86,9 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, An
                                 hint="pass a models/*.safetensors file from a run directory, or the run directory itself") from None
 
 
-def _fit(module: nn.Module, state: dict[str, torch.Tensor], model: str, path: Path) -> None:
+def _fit(module: nn.Module, state: dict[str, torch.Tensor], model: str, path: Path, from_metadata: bool = False) -> None:
+    """Load ``state`` into ``module``, or say why it is not that model (``from_metadata``: the file's
+    own metadata chose the model and its shape, so a mismatch means the metadata was changed)."""
     head = getattr(module, "head", None)
     if isinstance(head, nn.Linear) and head.bias is None and "head.bias" in state and "head.bias" not in module.state_dict():
         # CHFL gives a bias-free head (the FedHe CNNs') a bias, so that every device's head has the
@@ -99,8 +102,11 @@ def _fit(module: nn.Module, state: dict[str, torch.Tensor], model: str, path: Pa
         if wrong:
             k = wrong[0]
             detail += f" {k} is {tuple(state[k].shape)}, {model} needs {tuple(own[k].shape)}"
-        raise ExportSourceError(f"the weights in {path} are not a {model}: {detail.strip()}",
-                                hint="pass the model the file was trained with (--model), or the run directory it came from")
+        raise ExportSourceError(f"the weights in {path} are not a {model}" + (" as its metadata describes it" if from_metadata else "")
+                                + f": {detail.strip()}",
+                                hint=("its metadata (model, model_options, input_shape, num_classes) no longer matches its weights: "
+                                      + _CHANGED) if from_metadata else
+                                "pass the model the file was trained with (--model), or the run directory it came from")
     module.load_state_dict(state, strict=True)
 
 
@@ -124,7 +130,8 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
     shape = tuple(input_shape or meta.get("input_shape") or spec.default_input_shape)
     torch.manual_seed(0)
     module = build_model(name, num_classes=classes, input_shape=shape, **options)
-    _fit(module, state, name, path)
+    _fit(module, state, name, path, from_metadata=not (model or model_options is not None or num_classes or input_shape)
+         and bool(meta.get("model")))
     module.eval()
     kind = "classifier"
     if spec.kind != "classifier":
@@ -157,7 +164,8 @@ _META_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model_options": ("an object of options", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)),
     "num_classes": ("a class count from 1 to 100000", lambda v: is_whole(v, 1, 100_000)),
     "input_shape": ("a list of one to three sizes", is_shape),
-    "class_names": ("a list of names", lambda v: isinstance(v, list) and len(v) <= 100_000 and all(isinstance(n, str) and len(n) <= 200 for n in v)),
+    "class_names": ("a list of names of at most 200 characters each",
+                    lambda v: isinstance(v, list) and len(v) <= 100_000 and all(isinstance(n, str) and len(n) <= 200 for n in v)),
     "dataset": ("a data set's name", lambda v: isinstance(v, str) and len(v) <= 200),
     "round": ("a round number", lambda v: is_whole(v, 0, 10**9)),
     "client_id": ("a device id", lambda v: isinstance(v, str) and len(v) <= 200),
@@ -223,6 +231,20 @@ def _run_facts(run: Path) -> dict[str, Any]:
     return out
 
 
+def _models_on_devices(run_dir: Path) -> str:
+    """The devices a run's ship.json says hold the models to ship (``arch: device``, joined), or ""."""
+    try:
+        plan = json.loads((run_dir / "ship.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    models = plan.get("models") if isinstance(plan, dict) else None
+    if not isinstance(models, dict):
+        return ""
+    held = [f"{str(arch)[:80]}: {str(entry.get('device'))[:64]}" for arch, entry in list(models.items())[:32]
+            if isinstance(entry, dict) and entry.get("device") and not entry.get("file")]
+    return ", ".join(held)
+
+
 def sources_from_path(path: str | Path, model: str | None = None, select: str | None = None, every: bool = False,
                       on_error: Callable[[Path, EdgeflError], None] | None = None, **kw) -> list[ModelSource]:
     """A weights file, or the models a run directory ships to phones (ship.json: its global
@@ -235,6 +257,13 @@ def sources_from_path(path: str | Path, model: str | None = None, select: str | 
         folder = path / "models"
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
         if not files:
+            on_devices = _models_on_devices(path)
+            if on_devices:  # a fleet of real devices, a method with a model per device: the server never held one
+                raise ExportSourceError(
+                    f"{path} holds no model: its method keeps one on each device, and its ship.json names the devices whose "
+                    f"models phones should get ({on_devices})",
+                    hint="each device wrote its model into its state folder when the run ended: copy that file here and run "
+                         "edgefl export STATE_DIR/model.safetensors --dataset NAME (the run's data set; run.json names it)")
             raise ExportSourceError(f"{path} has no models/*.safetensors", hint="is this a finished run directory? runs save their models when they end")
         shipped = [f for f in files if f.name.startswith("global-")] or [f for f in files if f.name.startswith("ship-")]
         chosen = files if every or not shipped else shipped

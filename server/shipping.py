@@ -81,7 +81,8 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
             else:
                 why += f"; also the most accurate of the {len(fitting)} that fit ({scored[best]:.4f})"
         out[profile.id] = {"arch": arch, "file": shipped.get(arch, {}).get("file"), "accuracy": scored.get(arch),
-                           "largest_that_fits": largest, "why": why}
+                           "largest_that_fits": largest, "why": why,
+                           **({"device": shipped[arch]["device"]} if shipped.get(arch, {}).get("device") else {})}
     return out
 
 

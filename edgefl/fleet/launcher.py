@@ -202,7 +202,8 @@ def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str]
         say(f"{loop.device}: the run is over, but its model could not be saved: {exc.message} (hint: {exc.hint}; the run's "
             "ship.json may name this device's model: the model it trained is lost with this process)")
         return None
-    dataset = "" if meta.get("dataset") else " --dataset NAME"  # its task does not name the server's data set
+    # its task does not name the server's data set, whose test samples check the export
+    dataset = "" if meta.get("dataset") else " --dataset NAME, NAME the run's data set as its run.json names it"
     say(f"{loop.device}: the run is over; its own model is in {path} (to phone files: edgefl export {path}{dataset}; "
         "the run's ship.json says which model phones get)")
     return path

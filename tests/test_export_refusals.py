@@ -1,0 +1,70 @@
+"""What `edgefl export` says of a file it cannot export as it is (an outside trial's findings): each
+refusal names what is wrong with the file itself and what to do, never a hint that points elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from edgefl.errors import EdgeflError
+from edgefl.exporters import load_weights_file
+from edgefl.models import build_model
+
+META = {"model": "mlp", "model_options": {"hidden": [16]}, "num_classes": 2, "input_shape": [30],
+        "class_names": ["malignant", "benign"], "method": "fedhe", "client_id": "client-2", "run": "run-a"}
+
+
+def _device_file(path, **changed) -> str:
+    """A device's model file as a fleet device writes it: its task names no data set."""
+    torch.manual_seed(0)
+    state = build_model("mlp", num_classes=2, input_shape=(30,), hidden=[16]).state_dict()
+    meta = {**META, **changed}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+    return str(path)
+
+
+def test_a_device_file_without_a_data_set_is_a_usage_error_saying_where_the_name_is(tmp_path):
+    path = _device_file(tmp_path / "model.safetensors")
+    run = subprocess.run([sys.executable, "-m", "edgefl", "export", path, "--format", "onnx"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "COLUMNS": "200"})
+    said = " ".join(run.stderr.split())
+    assert run.returncode == 2, run.stderr[-2000:]  # bad input, before any model is exported
+    assert "no dataset to check the export of model on" in said and "--dataset NAME" in said and "run.json" in said
+    assert not (tmp_path / "export").exists()
+
+
+def test_metadata_changed_after_the_fact_is_named_as_such_not_as_a_wrong_model(tmp_path):
+    with pytest.raises(EdgeflError) as caught:  # the shape edited: the weights no longer fit what the metadata builds
+        load_weights_file(_device_file(tmp_path / "shape.safetensors", input_shape=[1, 28, 28]))
+    assert "as its metadata describes it" in caught.value.message and "restore the file from a copy" in caught.value.hint
+    assert "--model" not in caught.value.hint
+    # a caller's own --model that does not fit is still told to pass the right one
+    state = load_file(_device_file(tmp_path / "bare.safetensors"))
+    save_file(state, str(tmp_path / "bare.safetensors"))  # no metadata at all
+    with pytest.raises(EdgeflError) as caught:
+        load_weights_file(tmp_path / "bare.safetensors", model="mlp", model_options={"hidden": [32]}, num_classes=2, input_shape=(30,))
+    assert "as its metadata" not in caught.value.message and "(--model)" in caught.value.hint
+    # class names too long are called that, not "not a list"
+    with pytest.raises(EdgeflError, match="not a list of names of at most 200 characters each"):
+        load_weights_file(_device_file(tmp_path / "long.safetensors", class_names=["x" * 5000, "y"]))
+
+
+def test_a_wrong_data_set_for_a_runs_model_is_not_told_about_device_views(tmp_path):
+    from edgefl.data import load_dataset
+    from edgefl.exporters.export import prepare_inputs
+
+    src = load_weights_file(_device_file(tmp_path / "shared.safetensors", client_id=None, dataset="breast-cancer"))
+    with pytest.raises(EdgeflError) as caught:
+        prepare_inputs(src, load_dataset("digits"))
+    assert "takes inputs of shape [30], but digits has [1, 8, 8]" in caught.value.message
+    assert "view" not in caught.value.hint
+    device = load_weights_file(_device_file(tmp_path / "device.safetensors"))  # a device's: it may have had a view
+    with pytest.raises(EdgeflError) as caught:
+        prepare_inputs(device, load_dataset("digits"))
+    assert "fleet.groups[].view" in caught.value.hint
