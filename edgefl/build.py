@@ -78,7 +78,7 @@ def held_out_indices(cfg: RunConfig, slots: list[DeviceSlot]) -> list[int] | Non
 def model_meta(cfg: RunConfig, ds: Dataset) -> dict[str, Any]:
     """What every saved model's metadata carries about the run (edgefl export reads it)."""
     return {"num_classes": ds.num_classes, "input_shape": list(ds.input_shape), "class_names": list(ds.class_names),
-            "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name}
+            "dataset": ds.name, "round": cfg.rounds, "method": cfg.method.name, "seed": cfg.seed}
 
 
 def device_model_meta(cfg: RunConfig, ds: Dataset, slot: DeviceSlot, scope: str) -> dict[str, Any]:

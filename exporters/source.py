@@ -142,12 +142,16 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
     facts = _run_facts(run) if run is not None else {}
     view, view_settings = _view(meta.get("view"), shape, path)
     client = meta.get("client_id")
+    stem = path.stem
+    if stem == "model" and isinstance(client, str) and client:  # a device's STATE_DIR/model.safetensors: files named for it
+        stem = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{client[:64]}-{name}")
     return ModelSource(
-        name=path.stem, model=name, model_options=options, module=module, kind=kind, num_classes=classes,
+        name=stem, model=name, model_options=options, module=module, kind=kind, num_classes=classes,
         input_shape=shape, class_names=list(meta.get("class_names") or [str(i) for i in range(classes)]),
         dataset=meta.get("dataset"), run=str(run) if run is not None else None,
         round=meta.get("round"), weights_path=str(path), weights_sha256=sha256_file(path),
-        run_name=facts.get("name"), method=facts.get("method") or meta.get("method"), seed=facts.get("seed"), view=view,
+        run_name=facts.get("name"), method=facts.get("method") or meta.get("method"),
+        seed=facts.get("seed") if facts.get("seed") is not None else meta.get("seed"), view=view,
         view_settings=view_settings, run_id=meta.get("run"),
         client_id=client[:200] if isinstance(client, str) else None, held_out=meta.get("held_out_indices"),
         pooled=bool(facts.get("pooled")),
@@ -168,6 +172,7 @@ _META_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
                     lambda v: isinstance(v, list) and len(v) <= 100_000 and all(isinstance(n, str) and len(n) <= 200 for n in v)),
     "dataset": ("a data set's name", lambda v: isinstance(v, str) and len(v) <= 200),
     "round": ("a round number", lambda v: is_whole(v, 0, 10**9)),
+    "seed": ("a seed, a whole number from 0", lambda v: is_whole(v, 0, 2**63 - 1)),
     "client_id": ("a device id", lambda v: isinstance(v, str) and len(v) <= 200),
     "method": ("a method name", lambda v: isinstance(v, str) and len(v) <= 100),
     "run": ("a run id", lambda v: isinstance(v, str) and len(v) <= 64),

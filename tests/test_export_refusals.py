@@ -35,7 +35,8 @@ def test_a_device_file_without_a_data_set_is_a_usage_error_saying_where_the_name
                          timeout=300, env={**os.environ, "COLUMNS": "200"})
     said = " ".join(run.stderr.split())
     assert run.returncode == 2, run.stderr[-2000:]  # bad input, before any model is exported
-    assert "no dataset to check the export of model on" in said and "--dataset NAME" in said and "run.json" in said
+    # a device's file exports under its device's name, not "model" (many devices' files end up side by side)
+    assert "no dataset to check the export of client-2-mlp on" in said and "--dataset NAME" in said and "run.json" in said
     assert not (tmp_path / "export").exists()
 
 
@@ -68,3 +69,9 @@ def test_a_wrong_data_set_for_a_runs_model_is_not_told_about_device_views(tmp_pa
     with pytest.raises(EdgeflError) as caught:
         prepare_inputs(device, load_dataset("digits"))
     assert "fleet.groups[].view" in caught.value.hint
+
+
+def test_a_device_file_names_its_runs_seed_and_a_bad_one_is_refused(tmp_path):
+    assert load_weights_file(_device_file(tmp_path / "model.safetensors", seed=7)).seed == 7  # the sidecar's source.seed
+    with pytest.raises(EdgeflError, match="'seed' is '-1', not a seed"):
+        load_weights_file(_device_file(tmp_path / "bad.safetensors", seed=-1))

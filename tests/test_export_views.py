@@ -65,6 +65,7 @@ def test_a_model_file_that_recorded_only_the_views_settings_is_refitted_from_the
     old_run = RunDir.create(tmp_path / "old", "old", 0)
     (old_run.path / "run.json").write_text((chfl_run / "run.json").read_text())
     del meta["held_out_indices"]  # nor what its device held out: the test split it is judged on was partly trained on, said
+    del meta["seed"]  # nor its run's seed (files name it since): the run directory's run.json gives it
     old_run.save_model(device.stem, state, meta)
     files = export_path(old_run.path / "models" / device.name, tmp_path / "out", formats=("onnx",), mobile_check=False)
     old = read_sidecar(files[0].path)
@@ -130,6 +131,7 @@ def test_a_run_export_goes_on_past_models_it_cannot_load_or_check_and_says_why_i
     for path, view in ((unfit, {"kind": "features", "fraction": 0.5}), (unloadable, {"kind": "features", "columns": [99]})):
         state, meta = load_model_file(path)
         path.unlink()
+        meta.pop("seed", None)  # a file from before model files named their run's seed
         RunDir(run).save_model(path.stem, state, {**meta, "view": view})
     (run / "run.json").write_text("{}")  # no seed: the settings-only view cannot be fitted again
     out = tmp_path / "out"

@@ -178,7 +178,7 @@ def task_model_meta(task: Task) -> dict[str, Any]:
     data = task.data
     return {"num_classes": len(data.class_names), "input_shape": list(data.input_shape), "class_names": list(data.class_names),
             "method": task.method.name, "arch": task.model.arch, "model": task.model.name, "model_options": dict(task.model.options),
-            "scope": "device", "client_id": task.device}
+            "scope": "device", "client_id": task.device, "seed": task.seed}
 
 
 def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str], None]) -> Path | None:
