@@ -24,7 +24,10 @@ the data set named, beside the Fashion-MNIST run: they are not the same experime
 
 ``--probe SECONDS`` runs each cell only that long and estimates, from its round and evaluation
 times, how long the table takes on this machine and device (``OUT/probe.json``): for planning a lent
-GPU's minutes.
+GPU's minutes. The estimate includes the run's start-up (data, models). A cell that evaluates less
+often than every round is probed evaluating every third round, so that an evaluation is timed apart
+(``mean_eval_s``); in a cell that evaluates every round the rounds' times include it, and
+``mean_eval_s`` is null.
 
 ``--scale paper`` is the papers' setting (for a GPU: it is days of CPU time); ``--scale cpu`` keeps
 every choice but the length, the number of devices and the models' width. docs/benchmarks.md
@@ -357,7 +360,9 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
     else:
         told = (f"{len(records)} round(s) in {wall:.0f} s, {per_round:.3f} s a round"
                 + (f", {statistics.fmean(evals):.1f} s an evaluation" if evals else
-                   "" if every == 1 else ", no evaluation timed (a longer --probe times one)")
+                   " (its evaluation included: the cell evaluates every round)" if every == 1
+                   else ", no evaluation timed (a longer --probe times one)")
+                + f", {startup:.0f} s of start-up"
                 + f": the whole cell about {_duration(estimate)}"
                 + (" (from the first round alone, its one-off costs included: an upper estimate; a longer --probe "
                    "times more rounds)" if first_only else ""))
