@@ -267,8 +267,9 @@ def sources_from_path(path: str | Path, model: str | None = None, select: str | 
                 raise ExportSourceError(
                     f"{path} holds no model: its method keeps one on each device, and its ship.json names the devices whose "
                     f"models phones should get ({on_devices})",
-                    hint="each device wrote its model into its state folder when the run ended: copy that file here and run "
-                         "edgefl export STATE_DIR/model.safetensors --dataset NAME (the run's data set; run.json names it)")
+                    hint="each device wrote its model into its state folder when the run ended: on that device, or on a copy "
+                         "of its file, run edgefl export STATE_DIR/model.safetensors --dataset NAME (the run's data set, "
+                         "which this folder's run.json names)")
             raise ExportSourceError(f"{path} has no models/*.safetensors", hint="is this a finished run directory? runs save their models when they end")
         shipped = [f for f in files if f.name.startswith("global-")] or [f for f in files if f.name.startswith("ship-")]
         chosen = files if every or not shipped else shipped
