@@ -135,7 +135,7 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
                         hint="pass the dataset the model was trained on (--dataset)")
     if view is None and raw_shape != tuple(src.input_shape):
         older = ("; a device's model trained on a view of the data (fleet.groups[].view) records it from this version on: export "
-                 "that run's models again after re-running it") if src.client_id else ""
+                 "that run's models again after re-running it") if src.client_id and not src.run_id else ""  # a fleet device's file is newer
         raise DataError(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
                         hint=f"pass the dataset the model was trained on (--dataset){older}")
     # parity (the files against PyTorch) on any real samples; accuracy on samples the model never trained on

@@ -236,18 +236,21 @@ def _run_facts(run: Path) -> dict[str, Any]:
     return out
 
 
-def _models_on_devices(run_dir: Path) -> str:
-    """The devices a run's ship.json says hold the models to ship (``arch: device``, joined), or ""."""
+def _models_on_devices(run_dir: Path) -> tuple[str, str]:
+    """The devices a run's ship.json says hold the models to ship (``arch: device``, joined), or "",
+    and the run's data set as the plan names it ("NAME" when it does not)."""
     try:
         plan = json.loads((run_dir / "ship.json").read_text())
     except (OSError, ValueError):
-        return ""
+        return "", "NAME"
     models = plan.get("models") if isinstance(plan, dict) else None
     if not isinstance(models, dict):
-        return ""
+        return "", "NAME"
     held = [f"{str(arch)[:80]}: {str(entry.get('device'))[:64]}" for arch, entry in list(models.items())[:32]
             if isinstance(entry, dict) and entry.get("device") and not entry.get("file")]
-    return ", ".join(held)
+    dataset = plan.get("dataset")
+    named = isinstance(dataset, str) and 0 < len(dataset) <= 100 and all(ch.isalnum() or ch in "._-" for ch in dataset)
+    return ", ".join(held), dataset if named else "NAME"  # a file's text goes into a command line only when plainly a name
 
 
 def sources_from_path(path: str | Path, model: str | None = None, select: str | None = None, every: bool = False,
@@ -262,14 +265,13 @@ def sources_from_path(path: str | Path, model: str | None = None, select: str | 
         folder = path / "models"
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
         if not files:
-            on_devices = _models_on_devices(path)
+            on_devices, dataset = _models_on_devices(path)
             if on_devices:  # a fleet of real devices, a method with a model per device: the server never held one
                 raise ExportSourceError(
                     f"{path} holds no model: its method keeps one on each device, and its ship.json names the devices whose "
                     f"models phones should get ({on_devices})",
                     hint="each device wrote its model into its state folder when the run ended: on that device, or on a copy "
-                         "of its file, run edgefl export STATE_DIR/model.safetensors --dataset NAME (the run's data set, "
-                         "which this folder's run.json names)")
+                         f"of its file, run edgefl export STATE_DIR/model.safetensors --dataset {dataset}")
             raise ExportSourceError(f"{path} has no models/*.safetensors", hint="is this a finished run directory? runs save their models when they end")
         shipped = [f for f in files if f.name.startswith("global-")] or [f for f in files if f.name.startswith("ship-")]
         chosen = files if every or not shipped else shipped

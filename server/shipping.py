@@ -135,9 +135,10 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
                 entry["file"] = None
                 entry["where"] = (f"on device {best.client_id}: model.safetensors in its state folder (edgefl client --state-dir), "
                                   f"written when the run ended (its metadata's run is {run_id}; a later run moves it into old/); "
-                                  "copy it and run edgefl export on it. The server never holds a device's private model")
+                                  f"copy it and run edgefl export on it with --dataset {ds.name}. The server never holds a device's "
+                                  "private model")
             shipped[arch] = entry
-    plan = {"kind": kind, "method": cfg.method.name, "run_id": run_id, "models": shipped, "phones": _phones(cfg, ds, shipped, slots)}
+    plan = {"kind": kind, "method": cfg.method.name, "dataset": ds.name, "run_id": run_id, "models": shipped, "phones": _phones(cfg, ds, shipped, slots)}
     run_dir.write_json(PLAN_FILE, plan)
     return plan
 

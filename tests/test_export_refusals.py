@@ -65,9 +65,15 @@ def test_a_wrong_data_set_for_a_runs_model_is_not_told_about_device_views(tmp_pa
         prepare_inputs(src, load_dataset("digits"))
     assert "takes inputs of shape [30], but digits has [1, 8, 8]" in caught.value.message
     assert "view" not in caught.value.hint
-    device = load_weights_file(_device_file(tmp_path / "device.safetensors"))  # a device's: it may have had a view
+    # a fleet device's file (it names its run) records any view it had: a plain wrong data set, said so
+    fleet_device = load_weights_file(_device_file(tmp_path / "fleet.safetensors"))
     with pytest.raises(EdgeflError) as caught:
-        prepare_inputs(device, load_dataset("digits"))
+        prepare_inputs(fleet_device, load_dataset("digits"))
+    assert "view" not in caught.value.hint
+    # a device's file without a run id may come from a version that did not record views
+    older = load_weights_file(_device_file(tmp_path / "device.safetensors", run=None))
+    with pytest.raises(EdgeflError) as caught:
+        prepare_inputs(older, load_dataset("digits"))
     assert "fleet.groups[].view" in caught.value.hint
 
 

@@ -37,6 +37,7 @@ def test_a_per_device_method_ships_the_best_device_of_each_architecture_and_expo
     assert set(plan["phones"]) == {"android-midrange", "iphone-15"}
     assert all(p["arch"] in plan["models"] for p in plan["phones"].values())
     assert all(p["device"] == plan["models"][p["arch"]]["device"] for p in plan["phones"].values())  # whose model it is
+    assert plan["dataset"] == "digits"  # what `edgefl export` of a device's own file is given (--dataset)
     shipped = sources_from_path(path)
     assert sorted(s.name for s in shipped) == sorted(f"ship-{n}" for n in ("fedhe-cnn-0_width_0.125", "mlp_hidden__32__16"))
     assert len(sources_from_path(path, every=True)) == 5 + 2  # five devices' private models and the two shipped
@@ -76,7 +77,8 @@ def test_a_local_fleet_adopts_the_devices_readable_model_files_and_skips_a_damag
     # what `edgefl export RUN_DIR` says of a real fleet's run: where the models are, not "not a finished run"
     with pytest.raises(EdgeflError, match="keeps one on each device") as caught:
         sources_from_path(path)
-    assert f"{cnn_arch}: {best}" in caught.value.message and "STATE_DIR/model.safetensors" in caught.value.hint
+    assert f"{cnn_arch}: {best}" in caught.value.message
+    assert "edgefl export STATE_DIR/model.safetensors --dataset digits" in caught.value.hint  # ship.json names the data set
     states = {d: tmp_path / "state" / d for d in (best, other)}
     for device, folder in states.items():
         folder.mkdir(parents=True)

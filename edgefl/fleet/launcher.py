@@ -203,7 +203,7 @@ def save_final_model(loop: DeviceLoop, meta: dict[str, Any], say: Callable[[str]
             "ship.json may name this device's model: the model it trained is lost with this process)")
         return None
     # its task does not name the server's data set, whose test samples check the export
-    dataset = "" if meta.get("dataset") else " --dataset NAME, NAME the run's data set, named in the server's run.json"
+    dataset = "" if meta.get("dataset") else " --dataset NAME, NAME the run's data set: the server's ship.json names it"
     say(f"{loop.device}: the run is over; its own model is in {path} (to phone files: edgefl export {path}{dataset}; "
         "the run's ship.json says which model phones get)")
     return path
