@@ -770,7 +770,7 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     if not dataset and sources and len(unnamed) == len(sources):  # a bare file (a device's model): a usage error, said first
         raise EdgeflError(f"no dataset to check the export of {', '.join(unnamed[:3])} on (the weights do not name one)",
                           hint="pass --dataset NAME, the data set the model was trained on (for a device's model, the run's: "
-                               "its run.json names it); parity and int8 calibration use its real samples")
+                               "the run's ship.json names it, as dataset); parity and int8 calibration use its real samples")
     out_dir = default_out_dir(source) if out_dir is None else out_dir
     total = len(sources) + len(failed)
     created = not Path(out_dir).exists()

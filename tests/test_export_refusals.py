@@ -36,7 +36,7 @@ def test_a_device_file_without_a_data_set_is_a_usage_error_saying_where_the_name
     said = " ".join(run.stderr.split())
     assert run.returncode == 2, run.stderr[-2000:]  # bad input, before any model is exported
     # a device's file exports under its device's name, not "model" (many devices' files end up side by side)
-    assert "no dataset to check the export of client-2-mlp on" in said and "--dataset NAME" in said and "run.json" in said
+    assert "no dataset to check the export of client-2-mlp on" in said and "--dataset NAME" in said and "ship.json" in said
     assert not (tmp_path / "export").exists()
 
 
