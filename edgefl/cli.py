@@ -504,7 +504,6 @@ def server(
     dashboard: DashboardAt = None,
 ) -> None:
     """Run the server half of a config over MQTT (the GPU server of a real fleet)."""
-    import os
 
     from edgefl.build import build_run
     from edgefl.config import load_config
@@ -573,7 +572,6 @@ def client(
 ) -> None:
     """Run one device of a fleet over MQTT (what a Raspberry Pi or Jetson runs): on its own data
     (--data; the task comes from the server), or on the share of a run config (--config)."""
-    import os
 
     from edgefl.fleet.launcher import device_state_dir, federation as federation_of, run_device, run_device_held
 
@@ -648,7 +646,6 @@ def loadgen(
     and MQTT session each, uploads made by one real client half per architecture) with compute
     delays, drop-outs and reconnects, to load a server and broker with thousands of devices."""
     import json
-    import os
 
     from edgefl.config import load_config
     from edgefl.fleet.swarm import LoadSettings, run_load
@@ -768,9 +765,9 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     sources = sources_from_path(source, model=model, select=select, every=every, on_error=lambda f, exc: failed.append((f.stem, exc)))
     unnamed = [s.name for s in sources if s.kind == "classifier" and not s.dataset]
     if not dataset and sources and len(unnamed) == len(sources):  # a bare file (a device's model): a usage error, said first
-        raise EdgeflError(f"no dataset to check the export of {', '.join(unnamed[:3])} on (the weights do not name one)",
-                          hint="pass --dataset NAME, the data set the model was trained on (for a device's model, the run's: "
-                               "the run's ship.json names it, as dataset); parity and int8 calibration use its real samples")
+        from edgefl.exporters.export import no_dataset_error
+
+        raise no_dataset_error(unnamed)
     out_dir = default_out_dir(source) if out_dir is None else out_dir
     total = len(sources) + len(failed)
     created = not Path(out_dir).exists()
@@ -829,14 +826,9 @@ def _reason(exc: EdgeflError | OSError) -> str:
 
 def _check_writable(folder: Path) -> None:
     """A folder that cannot take the files is one line with a hint, before any work."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".edgefl-write-check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise EdgeflError(f"cannot write into {folder}: {exc.strerror or exc}",
-                          hint="pass a writable folder with --out, or free some space") from None
+    from edgefl.userdirs import check_writable
+
+    check_writable(folder, "into", "pass a writable folder with --out, or free some space")
 
 
 def _add_rows(table, files) -> None:

@@ -42,6 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from edgefl.errors import EdgeflError, PayloadError
+from edgefl.userdirs import check_writable
 from edgefl.safejson import loads
 
 STATE_JSON = "state.json"
@@ -68,6 +69,13 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def check_state_dir(directory: Path) -> None:
+    """:meth:`DeviceStateStore.check_writable` before the store can be made (a device that gets its
+    config, and so its store's identity, from the server only after joining)."""
+    check_writable(directory, "the device state folder", "pass a writable --state-dir (the device keeps its state and, at the "
+                   "run's end, its model there), or --no-state to keep nothing")
+
+
 class DeviceStateStore:
     """The state folder of one device (``edgefl client --state-dir``)."""
 
@@ -82,15 +90,7 @@ class DeviceStateStore:
         """Refuse a folder this device cannot write, before it joins a run: a device that trained
         every round without being able to save would end the run with its model lost, while the
         run's ship.json may name that model for phones."""
-        probe = self.directory / f".write-check-{os.getpid()}"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise EdgeflError(f"cannot write the device state folder {self.directory}: {exc.strerror or exc}",
-                              hint="pass a writable --state-dir (the device keeps its state and, at the run's end, its model "
-                                   "there), or --no-state to keep nothing") from None
+        check_state_dir(self.directory)
 
     def set_aside(self, why: str) -> Path | None:
         """Move the saved files into ``old/<UTC time>/`` (never deleted) and say so (``why``: what

@@ -1,4 +1,5 @@
-"""The user's cache and state folders, as the XDG base-directory specification names them.
+"""The user's cache and state folders, as the XDG base-directory specification names them, and
+the check that a folder a command will write into can take files.
 
 An unset, empty or relative ``$XDG_CACHE_HOME`` / ``$XDG_STATE_HOME`` is ignored, as the
 specification says: a relative one would put edgefl's files wherever the command happens to run
@@ -24,3 +25,17 @@ def cache_home() -> Path:
 def state_home() -> Path:
     """``$XDG_STATE_HOME``, else ``~/.local/state``."""
     return _xdg("XDG_STATE_HOME", Path.home() / ".local" / "state")
+
+
+def check_writable(folder: Path, what: str, hint: str) -> None:
+    """Make ``folder`` and write a file into it, or raise one line saying so (``what`` names the
+    folder in it) with ``hint``: said before any work, not after it."""
+    from edgefl.errors import EdgeflError
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".edgefl-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise EdgeflError(f"cannot write {what} {folder}: {exc.strerror or exc}", hint=hint) from None

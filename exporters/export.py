@@ -97,6 +97,13 @@ def exporter_versions() -> dict[str, str | None]:
     return out
 
 
+def no_dataset_error(names: list[str]) -> DataError:
+    """Models whose weights name no data set, and none given: what to pass."""
+    return DataError(f"no dataset to check the export of {', '.join(names[:3])} on (the weights do not name one)",
+                     hint="pass --dataset NAME, the data set the model was trained on (for a device's model, the run's: "
+                          "the run's ship.json names it, as dataset); parity and int8 calibration use its real samples")
+
+
 def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int = 2000, parity_samples: int = 128,
                    calibration_samples: int = 512, calibration_batch: int = 32, seed: int = 0) -> ExportInputs:
     """Classifiers: the dataset's test split (parity, accuracy) and random training images
@@ -115,8 +122,7 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         return ExportInputs(draws(parity_samples), None, None, calib, dataset)
     if dataset is None:
         if not src.dataset:
-            raise DataError(f"no dataset to check the export of {src.name} on (the weights do not name one)",
-                            hint="pass --dataset NAME (parity and int8 calibration use real samples)")
+            raise no_dataset_error([src.name])
         dataset = load_dataset(src.dataset)
     named = list(src.class_names)
     if named and len(named) == len(dataset.class_names) and named != list(dataset.class_names) \

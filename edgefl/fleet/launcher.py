@@ -137,14 +137,14 @@ def run_device_held(device_id: str, broker: str, federation_name: str, data: Pat
     server (:mod:`edgefl.enrol`), needs no run config and no data set of the server's."""
     from edgefl.config import NetworkSettings
     from edgefl.device import DeviceLoop
-    from edgefl.device_state import DeviceStateStore
+    from edgefl.device_state import DeviceStateStore, check_state_dir
     from edgefl.enrol import join_run, task_digest
     from edgefl.fleet.broker import MQTT_MAX_PACKET
     from edgefl.transport.registry import device_transport
 
     topics = Topics(federation_name)
     if state_dir:  # before it joins (the store itself needs the task, to know its config)
-        DeviceStateStore(state_dir, device_id, topics.federation, "").check_writable()
+        check_state_dir(Path(state_dir))
     defaults = NetworkSettings()  # the task brings the run's own settings; these only carry the join
     options = connection_options(MQTT_MAX_PACKET, defaults.keepalive_s, defaults.protocol, username, password, ca_file)
     transport = connect_retrying(lambda: device_transport(broker, topics, device_id, **options), broker_wait_s, say)
