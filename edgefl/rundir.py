@@ -31,6 +31,11 @@ RUN_ENTRIES = frozenset({"config.toml", "run.json", "partition.json", "metrics.j
                          "server-state.safetensors", "tensorboard", "mlruns", "export", "ship.json", "baseline"})
 
 
+def safe_name(label: str) -> str:
+    """A model's label (``fedhe-cnn-0(width=0.125)``) as a file name: letters, digits, ``-_.``."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label).strip("_")
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

@@ -144,7 +144,9 @@ def load_weights_file(path: str | Path, model: str | None = None, model_options:
     client = meta.get("client_id")
     stem = path.stem
     if stem == "model" and isinstance(client, str) and client:  # a device's STATE_DIR/model.safetensors: files named for it
-        stem = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{client[:64]}-{name}")
+        from edgefl.rundir import safe_name
+
+        stem = safe_name(f"{client[:64]}-{name}")
     return ModelSource(
         name=stem, model=name, model_options=options, module=module, kind=kind, num_classes=classes,
         input_shape=shape, class_names=list(meta.get("class_names") or [str(i) for i in range(classes)]),

@@ -29,15 +29,11 @@ from edgefl.build import DeviceSlot, device_model_meta
 from edgefl.config import RunConfig
 from edgefl.data import Dataset
 from edgefl.models import get_spec
-from edgefl.rundir import RunDir
+from edgefl.rundir import RunDir, safe_name
 
 log = logging.getLogger("edgefl.server")
 
 PLAN_FILE = "ship.json"
-
-
-def safe_name(arch: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in arch).strip("_")
 
 
 def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slots: list[DeviceSlot]) -> dict[str, Any]:
