@@ -216,6 +216,12 @@ class RunSession:
         else:
             self.run_dir.write_json("partition.json", partition_record(self.parts.ds, self.parts.slots))
 
+    def _validation_counts(self) -> dict[str, int] | None:
+        """Each ready device's validation count as it enrolled (devices that hold their data), for ship.json."""
+        if self.enrolment is None:
+            return None
+        return {device: known.validation for device, known in self.enrolment.devices.items() if known.stage == "ready"}
+
     def _write_enrolment(self) -> None:
         """Devices that bring their own data: what each said it holds (partition.json) as it joins."""
         if self.run_dir is None or self.enrolment is None:
@@ -436,7 +442,8 @@ class RunSession:
                 summary["ship"] = write_ship_plan(self.run_dir, self.cfg, self.parts.ds, self.parts.slots, self.server,
                                                   self.evaluator.device_accuracy, models, run_id=self.endpoint.run_id,
                                                   arch_accuracy=(summary.get("final_accuracy") or {}).get("per_arch"),
-                                                  shared_test_samples=len(self.parts.y_test) if self.parts.y_test is not None else None)
+                                                  shared_test_samples=len(self.parts.y_test) if self.parts.y_test is not None else None,
+                                                  validation_samples=self._validation_counts())
             except Exception:  # the plan is advice: a failure must not lose the run's other results
                 log.exception("could not write ship.json")
             self.run_dir.write_json("summary.json", summary)

@@ -82,11 +82,12 @@ def _phones(cfg: RunConfig, ds: Dataset, shipped: dict[str, dict[str, Any]], slo
     return out
 
 
-def _judged_on(cfg: RunConfig, slot: DeviceSlot, shared_test_samples: int | None) -> str:
+def _judged_on(cfg: RunConfig, slot: DeviceSlot, shared_test_samples: int | None, validation: int | None = None) -> str:
     """What a device's reported accuracy was measured on, with the count where the server knows it: a
-    best device picked on a handful of held-out samples should say so."""
+    best device picked on a handful of held-out samples should say so. ``validation``: the count a
+    device holding its own data enrolled with."""
     if cfg.data.device_held:
-        return "its own validation data"
+        return f"its {validation} validation samples" if validation else "its own validation data"
     if slot.test_indices is not None:
         return f"its {len(slot.test_indices)} held-out samples"
     return f"the shared test set ({shared_test_samples} samples)" if shared_test_samples else "the shared test set"
@@ -94,12 +95,14 @@ def _judged_on(cfg: RunConfig, slot: DeviceSlot, shared_test_samples: int | None
 
 def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[DeviceSlot], server, device_accuracy: dict[str, float],
                     device_models: dict[str, dict[str, torch.Tensor]] | None, run_id: str | None = None,
-                    arch_accuracy: dict[str, float] | None = None, shared_test_samples: int | None = None) -> dict[str, Any]:
+                    arch_accuracy: dict[str, float] | None = None, shared_test_samples: int | None = None,
+                    validation_samples: dict[str, int] | None = None) -> dict[str, Any]:
     """Decide and write what a phone should get (``device_models``: each device's weights when
     this process holds them, a simulation; None in a fleet). ``run_id``: the server's id of the run
     (a fleet device's model file names it, so the two can be matched). ``arch_accuracy``: each
     architecture's accuracy in the run's last evaluation (its ``per_arch``), for the global models;
-    ``shared_test_samples``: the size of the test set devices judge on when they hold no split of their own."""
+    ``shared_test_samples``: the size of the test set devices judge on when they hold no split of their own;
+    ``validation_samples``: each device's validation count as it enrolled, when devices hold their data."""
     globals_ = server.global_models()
     shipped: dict[str, dict[str, Any]] = {}
     if globals_:
@@ -118,7 +121,7 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
         for arch, members in groups.items():
             best = max(members, key=lambda s: (device_accuracy.get(s.client_id, -1.0), len(s.sample_indices)))
             acc = device_accuracy.get(best.client_id)
-            on = _judged_on(cfg, best, shared_test_samples)
+            on = _judged_on(cfg, best, shared_test_samples, (validation_samples or {}).get(best.client_id))
             judged = (f"accuracy {acc:.4f} on {on} in the last evaluation" if acc is not None else "no accuracy reported (most samples)")
             entry: dict[str, Any] = {"device": best.client_id, "accuracy": acc, "judged_on": on if acc is not None else None,
                                      "why": f"{cfg.method.name} keeps a model per device: {best.client_id}'s, the best of the {len(members)} "

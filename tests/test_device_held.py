@@ -142,6 +142,9 @@ def test_devices_with_their_own_image_folders_finish_a_run_and_a_stranger_class_
     else:  # FedHe keeps a model per device: each judges its own on the data it held out
         assert accuracy["judged_on"] == "devices' own validation data"
         assert set(accuracy["per_client"]) == {"client-0", "client-1", "client-2"}
+        plan = json.loads((run / "ship.json").read_text())  # a best device names the count it was judged on
+        for entry in plan["models"].values():
+            assert entry["judged_on"] == f"its {by_id[entry['device']]['num_test']} validation samples"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["failed_rounds"] == []
     assert any("declined" in reason for reason in json.dumps(summary["rejections"]).split('"'))
