@@ -170,12 +170,14 @@ class DeviceStateStore:
             differs = ", ".join(k for k in self.identity if theirs[k] != self.identity[k])
             self.set_aside(f"is from another config ({differs} differ)")
             return None
+        reading = CARRY  # named in the line: a safetensors error does not name its file
         try:
             tensors = load_file(str(self.directory / CARRY))
+            reading = UPLOAD
             upload = (self.directory / UPLOAD).read_bytes()
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             run = str(info.get("run"))[:64]
-            self.set_aside(f"(after round {info['round']} of run {run}) cannot be read ({str(exc)[:200]}){_LOST}")
+            self.set_aside(f"(after round {info['round']} of run {run}) cannot be read ({reading}: {str(exc)[:200]}){_LOST}")
             return None
         run = info.get("run") if isinstance(info.get("run"), str) else None
         self._held = (run,)

@@ -126,7 +126,9 @@ def test_damaged_state_is_kept_aside_and_the_device_starts_afresh_instead_of_fai
     # it says what was lost: the server sees only a device that starts over
     assert "rounds in it are lost" in caplog.text and "check the storage" in caplog.text
     if damage == "carry":  # state.json was read: the round and run it held are named
-        assert "(after round 2 of run run-a) cannot be read" in caplog.text
+        assert "(after round 2 of run run-a) cannot be read (carry.safetensors: " in caplog.text
+    else:  # the file is named whichever one was damaged
+        assert STATE_JSON in caplog.text
 
 
 def test_a_state_folder_that_refuses_writes_is_one_error_with_what_to_do(tmp_path, monkeypatch):
