@@ -746,6 +746,18 @@ def export(
     _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset, data_dir, micro, every)
 
 
+def _export_footer(formats: tuple[str, ...], int8: bool) -> str:
+    """What the table's columns promise, for the formats this export wrote (no word of a file it did not)."""
+    said = ["float files match PyTorch within rtol 1e-4 / atol 1e-5"]
+    if int8 and "tflite" in formats:
+        said.append("int8 TFLite files are integer-only")
+    if int8 and "onnx" in formats:
+        said.append("int8 ONNX files keep float inputs and outputs")
+    said.append("latency: median of one call at the file's batch on one thread here")
+    said.append("each file has a .json sidecar (names, shapes, dtypes, quantisation, normalisation, labels, SHA-256)")
+    return "; ".join(said)
+
+
 def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, channels_last, model, select, dataset,
                       data_dir=None, micro=False, every=False) -> None:
     from rich.table import Table
@@ -801,9 +813,7 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
     exported = len(failed) < total
     if exported:
         out.print(table)
-        out.print("float files match PyTorch within rtol 1e-4 / atol 1e-5; int8 TFLite files are integer-only; latency: median of one "
-                  "call at the file's batch on one thread here; each file has a .json sidecar (names, shapes, dtypes, quantisation, "
-                  "normalisation, labels, SHA-256)")
+        out.print(_export_footer(formats, int8))
     plan = Path(source) / "ship.json"
     if plan.is_file() and not every and not select and not failed:  # which of these files each phone class gets (edgefl assign)
         import json

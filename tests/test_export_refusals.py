@@ -81,3 +81,17 @@ def test_a_device_file_names_its_runs_seed_and_a_bad_one_is_refused(tmp_path):
     assert load_weights_file(_device_file(tmp_path / "model.safetensors", seed=7)).seed == 7  # the sidecar's source.seed
     with pytest.raises(EdgeflError, match="'seed' is '-1', not a seed"):
         load_weights_file(_device_file(tmp_path / "bad.safetensors", seed=-1))
+
+
+@pytest.mark.parametrize(("formats", "int8", "said", "unsaid"), [
+    (("onnx",), True, ["int8 ONNX"], ["TFLite"]),
+    (("onnx",), False, [], ["int8"]),
+    (("tflite",), True, ["int8 TFLite files are integer-only"], ["ONNX"]),
+    (("onnx", "tflite"), True, ["int8 TFLite", "int8 ONNX"], []),
+])
+def test_the_exports_footer_speaks_only_of_files_it_wrote(formats, int8, said, unsaid):
+    from edgefl.cli import _export_footer
+
+    footer = _export_footer(formats, int8)
+    assert "float files match PyTorch" in footer and "sidecar" in footer
+    assert all(s in footer for s in said) and not any(u in footer for u in unsaid)
