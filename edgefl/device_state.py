@@ -85,6 +85,9 @@ class DeviceStateStore:
         #: (the run,) whose state :meth:`load` found in the folder, None when it found none: a save
         #: for another run first moves that state aside rather than overwriting it
         self._held: tuple[str | None] | None = None
+        #: why :meth:`load` set damaged state aside (None: nothing lost); the device tells the server
+        #: with its first upload, so the run's log explains the accuracy it loses
+        self.lost: str | None = None
 
     def check_writable(self) -> None:
         """Refuse a folder this device cannot write, before it joins a run: a device that trained
@@ -159,6 +162,7 @@ class DeviceStateStore:
             if not isinstance(info, dict) or not isinstance(info.get("round"), int):
                 raise PayloadError("not a device state file")
         except (OSError, PayloadError, ValueError) as exc:
+            self.lost = f"{STATE_JSON} cannot be read ({str(exc)[:120]})"
             self.set_aside(f"cannot be read ({str(exc)[:200]}){_LOST}")
             return None
         theirs = {k: info.get(k) for k in self.identity}
@@ -177,6 +181,7 @@ class DeviceStateStore:
             upload = (self.directory / UPLOAD).read_bytes()
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             run = str(info.get("run"))[:64]
+            self.lost = f"the state saved after round {info['round']} cannot be read ({reading}: {str(exc)[:120]})"
             self.set_aside(f"(after round {info['round']} of run {run}) cannot be read ({reading}: {str(exc)[:200]}){_LOST}")
             return None
         run = info.get("run") if isinstance(info.get("run"), str) else None

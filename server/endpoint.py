@@ -131,6 +131,7 @@ class ServerEndpoint:
         self.run_id = uuid.uuid4().hex[:16]
         self.exchange: Exchange | None = None  # the request whose replies are being collected
         self._strangers: dict[str, float] = {}  # unknown device id -> when it was last nacked
+        self._first_upload: dict[str, int] = {}  # device -> the round of its first upload this server saw
         self._connects_seen = transport.connects if transport is not None else 0
 
     def connect(self, transport: ServerTransport) -> None:
@@ -313,7 +314,23 @@ class ServerEndpoint:
         if self.listener is None:
             self.reply(device, env, "ack", status="late", reason="the server is not taking uploads yet; not used")
             return
+        self._note_start(device, message)
         self.listener.on_upload(device, env, message, len(item.payload), item.facts)
+
+    def _note_start(self, device: str, message: Message) -> None:
+        """Say when a device that trained earlier in this run restarted from scratch (its first upload's
+        ``meta.started_from``, PROTOCOL.md 4.3): what it kept between rounds starts over, and the
+        accuracy it reports drops with no other sign in the server's log."""
+        first = self._first_upload.setdefault(device, message.round)
+        if message.meta.get("started_from") != "scratch" or message.round <= first:
+            return
+        lost = message.meta.get("state_lost")
+        why = (f"its saved state could not be used: {printable(lost, 250)}" if isinstance(lost, str) and lost
+               else "it had no saved state (started with --no-state, or with a new --state-dir)")
+        text = (f"restarted from scratch in round {message.round} after taking part from round {first} ({why}): "
+                "the state it keeps between rounds starts over, and its accuracy may drop until it catches up")
+        log.warning("%s %s", printable(device, 64), text)
+        self.on_event("warning", {"device": device, "reason": text})
 
     def _join(self, device: str, env: Envelope) -> None:
         """A device that brings its own data asks for its task, says it is ready, or declines

@@ -27,14 +27,18 @@ def _device(cfg_path, broker, device, state_dir, log_path, timeout=150):
                                 stdout=log, stderr=subprocess.STDOUT)
 
 
-def _kill_in_round_2_and_restart(cfg, broker, procs: dict, restart, run_dir=None, join_timeout_s: float = 5) -> tuple[dict, dict]:
+def _kill_in_round_2_and_restart(cfg, broker, procs: dict, restart, run_dir=None, join_timeout_s: float = 5,
+                                 events: list | None = None) -> tuple[dict, dict]:
     """Serve ``cfg`` while client-0 is killed as round 2 starts (its download is out: mid-round)
-    and started again with ``restart()``; (what serve returned or raised, the devices' exit codes)."""
+    and started again with ``restart()``; (what serve returned or raised, the devices' exit codes).
+    ``events``: collects the server's events (kind, info)."""
     from edgefl.fleet.launcher import serve
 
     killed = threading.Event()
 
     def on_event(kind, info):
+        if events is not None:
+            events.append((kind, info))
         if kind == "round" and info["round"] == 2 and not killed.is_set():
             procs["client-0"].send_signal(signal.SIGKILL)
             killed.set()
@@ -85,6 +89,34 @@ def test_a_device_killed_mid_round_resumes_from_its_saved_state_and_the_run_ends
     fault_free = Simulation(cfg, show_progress=False).run()  # a fleet equals its simulation bit for bit (test_fleet)
     assert summary["final_accuracy"]["per_client"] == fault_free["final_accuracy"]["per_client"]
     assert summary["final_accuracy"]["overall"] == fault_free["final_accuracy"]["overall"]
+
+
+def test_a_device_restarted_without_its_state_is_named_in_the_servers_log_with_the_reason(tmp_path):
+    """A damaged state file: the device starts from scratch mid-run (kept aside, PROTOCOL.md 9), and
+    its first upload says so, so the server's log explains the accuracy it loses."""
+    cfg = fleet_config("fedhe", rounds=3, round_deadline_s=90, ack_timeout_s=2, federation="device-lost")
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    ids = [f"client-{i}" for i in range(4)]
+    state = {d: tmp_path / "state" / d for d in ids}
+    events: list = []
+    with mosquitto(tmp_path) as broker:
+        procs = {d: _device(path, broker, d, state[d], tmp_path / f"{d}.log") for d in ids}
+        wait_online(broker, "device-lost", ids)
+
+        def restart():
+            carry = state["client-0"] / "carry.safetensors"  # cut short, as a power cut mid-write leaves it
+            carry.write_bytes(carry.read_bytes()[:100])
+            return _device(path, broker, "client-0", state["client-0"], tmp_path / "client-0.log")
+
+        results, codes = _kill_in_round_2_and_restart(cfg, broker, procs, restart, events=events)
+    assert "error" not in results, results.get("error")
+    assert set(codes.values()) == {0}, codes
+    warned = [info["reason"] for kind, info in events if kind == "warning" and info.get("device") == "client-0"]
+    assert len(warned) == 1, events
+    assert "restarted from scratch in round" in warned[0] and "after taking part from round 1" in warned[0]
+    assert "carry.safetensors" in warned[0]  # why, as the device said it
+    assert not [info for kind, info in events if kind == "warning" and info.get("device") != "client-0"]
 
 
 def test_a_device_ignores_saved_state_from_another_run_of_the_same_config(tmp_path):
