@@ -65,8 +65,10 @@ def normalisation(dataset_name: str | None, dataset: Dataset | None) -> dict[str
     """The input scaling as a formula with its numbers: x = (value - mean) / std."""
     if dataset is not None and dataset.standardisation is not None:
         mean, std = dataset.standardisation
-        return {"formula": "x[i] = (feature[i] - mean[i]) / std[i]", "value": "raw feature", "mean": list(mean), "std": list(std),
-                "description": "each feature standardised with the training split's mean and std"}
+        named = {"feature_names": list(dataset.feature_names)} if dataset.feature_names and len(dataset.feature_names) == len(mean) else {}
+        return {"formula": "x[i] = (feature[i] - mean[i]) / std[i]", "value": "raw feature", "mean": list(mean), "std": list(std), **named,
+                "description": "each feature standardised with the training split's mean and std"
+                               + ("; feature i is the column feature_names[i]" if named else "")}
     known = NORMALISATION.get(dataset_name or "")
     if known is None:
         return {"formula": None, "description": "as in training (the dataset is unknown to edgefl)"}
@@ -205,6 +207,8 @@ def describe_view(view: View, norm: dict[str, Any] | None) -> dict[str, Any]:
     if norm is not None and cols is not None and isinstance(norm.get("mean"), list) and len(norm["mean"]) == view.input_shape[0]:
         norm["mean"] = [norm["mean"][c] for c in cols]
         norm["std"] = [norm["std"][c] for c in cols]
+        if isinstance(norm.get("feature_names"), list):
+            norm["feature_names"] = [norm["feature_names"][c] for c in cols]
         norm["formula"] = "x[i] = (feature[columns[i]] - mean[i]) / std[i]"  # columns: the view's (the sidecar's view.columns)
         norm["description"] = f"{norm.get('description', '')}; listed for the model's {len(cols)} inputs (the view's columns)".lstrip("; ")
     return {**record, "steps": _VIEW_STEPS[view.settings.kind],

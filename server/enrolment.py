@@ -38,8 +38,11 @@ def data_spec_of(cfg: RunConfig, parts: RunParts, slot: DeviceSlot) -> TaskData:
     if image:  # the zoo's image inputs are pixels scaled to [0, 1]: 8-bit sets by 255, scikit-learn's digits by 16
         divisor = 16.0 if ds.name == "digits" else 255.0
     mean, std = (list(ds.standardisation[0]), list(ds.standardisation[1])) if ds.standardisation else (None, None)
+    # a table whose columns the data set names: a device reads its CSV by them, not by position (a
+    # table with its columns in another order would otherwise train on the wrong features, silently)
+    names = list(ds.feature_names) if not image and ds.feature_names and [len(ds.feature_names)] == shape else None
     return TaskData(kind="image" if image else "tabular", class_names=list(ds.class_names), input_shape=shape, pixel_divisor=divisor,
-                    mean=mean, std=std, label_column=cfg.data.label_column, resize=cfg.data.resize,
+                    mean=mean, std=std, feature_names=names, label_column=cfg.data.label_column, resize=cfg.data.resize,
                     validation_fraction=cfg.data.validation_fraction)
 
 

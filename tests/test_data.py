@@ -193,6 +193,9 @@ def test_sklearn_sets():
     assert digits.input_shape == (1, 8, 8) and digits.num_classes == 10
     bc = load_dataset("breast-cancer")
     assert bc.input_shape == (30,) and bc.num_classes == 2
+    # a table's columns are named, in input order: a device's CSV is read by them, an export lists them
+    assert bc.feature_names is not None and len(bc.feature_names) == 30 and bc.feature_names[0] == "mean radius"
+    assert digits.feature_names is None
     assert abs(float(bc.x_train.mean())) < 1e-4  # standardised on the training split
     with pytest.raises(DataError, match="unknown dataset"):
         load_dataset("cifar-11")
@@ -202,7 +205,7 @@ def test_sklearn_sets():
 def _same_dataset(a, b) -> bool:
     return (all(torch.equal(getattr(a, k), getattr(b, k)) and getattr(a, k).dtype == getattr(b, k).dtype
                 for k in ("x_train", "y_train", "x_test", "y_test"))
-            and (a.class_names, a.standardisation, a.source) == (b.class_names, b.standardisation, b.source))
+            and (a.class_names, a.standardisation, a.source, a.feature_names) == (b.class_names, b.standardisation, b.source, b.feature_names))
 
 
 @pytest.mark.parametrize("name", ["digits", "breast-cancer"])
@@ -257,7 +260,7 @@ def _resave(path: Path, arrays: dict, meta: dict | None = None) -> None:
 
     meta = dict(meta or {})
     if "class_names" in meta:
-        meta["sha256"] = _digest(arrays, meta["class_names"])
+        meta["sha256"] = _digest(arrays, meta["class_names"], meta.get("feature_names", ""))
     save_file(arrays, str(path), metadata=meta)
 
 
@@ -311,6 +314,10 @@ def test_a_standardised_set_whose_cache_lost_its_scaling_is_computed_again(isola
     for broken in ({k: v for k, v in arrays.items() if k != "std"}, {**arrays, "std": np.zeros(30)}):
         _resave(path, broken, meta)
         assert _same_dataset(load_dataset("breast-cancer"), good)
+    # a file of a version that did not keep the column names: computed again, names and all
+    _resave(path, arrays, {k: v for k, v in meta.items() if k != "feature_names"})
+    assert _same_dataset(load_dataset("breast-cancer"), good)
+    assert "feature_names" in _read(path)[1]
 
 
 @pytest.mark.parametrize("value", ["", "relative/cache"])

@@ -77,6 +77,7 @@ def test_tabular_mlp_exports(cancer, tmp_path):
     assert meta["normalisation"]["description"].startswith("each feature standardised")
     norm = meta["normalisation"]
     assert len(norm["mean"]) == len(norm["std"]) == 30 and norm["formula"] == "x[i] = (feature[i] - mean[i]) / std[i]"
+    assert norm["feature_names"] == list(cancer.feature_names) and norm["feature_names"][0] == "mean radius"  # input i's column
     assert meta["inputs"][0]["layout"] == "NC" and meta["class_labels"] == list(cancer.class_names)
 
 

@@ -41,6 +41,8 @@ def test_a_device_model_on_a_feature_view_exports_and_a_phone_can_feed_it_raw_fe
     assert view["kind"] == "features" and view["input_shape"] == [30] and view["output_shape"] == [15]
     cols = view["columns"]
     assert len(cols) == 15 == len(set(cols)) and len(norm["mean"]) == len(norm["std"]) == 15
+    names = load_dataset("breast-cancer").feature_names  # the model's input i is the named column cols[i]
+    assert norm["feature_names"] == [names[c] for c in cols]
     # judged on the samples its device held out (the run pooled train and test), never on ones it trained on
     held = load_model_file(meta["source"]["weights"])[1]["held_out_indices"]
     assert meta["test_set"].startswith("samples its run's devices held out") and meta["test_samples"] == len(held)

@@ -117,6 +117,8 @@ class Dataset:
     standardisation: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     #: set when x_train/x_test hold the raw 8-bit pixels (a device's lean load): input = pixels / this
     pixel_divisor: float | None = None
+    #: a table's column names, in input order (what a device's CSV is read by, what an export lists)
+    feature_names: tuple[str, ...] | None = None
 
     def model_input(self, x: torch.Tensor) -> torch.Tensor:
         """Samples as models take them (float32 in [0, 1]), from either form of storage (the same
@@ -334,6 +336,7 @@ def load_sklearn_dataset(name: str, test_fraction: float = 0.25, split_seed: int
         class_names=tuple(str(c) for c in arrays["class_names"]),
         source=f"sklearn.datasets ({name})",
         standardisation=standardisation,
+        feature_names=tuple(str(c) for c in arrays["feature_names"]) if "feature_names" in arrays else None,
     )
 
 
@@ -354,7 +357,8 @@ def _split_with_sklearn(name: str, test_fraction: float, split_seed: int) -> dic
               "class_names": np.array([str(c) for c in raw.target_names])}
     if name == "breast-cancer":
         mean, std = xtr.mean(0), xtr.std(0) + 1e-8
-        arrays.update(x_train=(xtr - mean) / std, x_test=(xte - mean) / std, mean=mean.astype(np.float64), std=std.astype(np.float64))
+        arrays.update(x_train=(xtr - mean) / std, x_test=(xte - mean) / std, mean=mean.astype(np.float64), std=std.astype(np.float64),
+                      feature_names=np.array([str(c) for c in raw.feature_names]))
     return arrays
 
 

@@ -3,7 +3,7 @@
 Importing scikit-learn pulls in SciPy and pandas: about 1.5 s of CPU in every process that loads
 digits or breast-cancer, and a fleet starts one process per device. The split is computed by
 scikit-learn once per (data set, scikit-learn version, test fraction, split seed) and read back
-from a safetensors file after that (the class names in its metadata): safetensors checks that
+from a safetensors file after that (the class names, and a table's column names, in its metadata): safetensors checks that
 the header's shapes, types and offsets describe the bytes the file holds before any array is
 read. A file that cannot be read, whose contents do not match the SHA-256 it was written with (a
 flipped bit), or whose arrays do not have the shapes, types and values a split has, is ignored and
@@ -46,9 +46,10 @@ def split_path(root: Path, name: str, test_fraction: float, split_seed: int) -> 
 
 def read_split(path: Path | None, samples: int, input_shape: tuple[int, ...], classes: int,
                standardised: bool) -> dict[str, np.ndarray] | None:
-    """The arrays kept at ``path`` (``class_names`` among them), or None when there is no usable
-    file: one whose split does not hold ``samples`` inputs of ``input_shape`` over ``classes``
-    classes, with the per-feature mean and std exactly when the set is ``standardised``, is not usable."""
+    """The arrays kept at ``path`` (``class_names`` among them, and ``feature_names`` for a
+    standardised table), or None when there is no usable file: one whose split does not hold
+    ``samples`` inputs of ``input_shape`` over ``classes`` classes, with the per-feature mean, std
+    and column names exactly when the set is ``standardised``, is not usable."""
     if path is None:
         return None
     from safetensors import SafetensorError, safe_open
@@ -59,18 +60,22 @@ def read_split(path: Path | None, samples: int, input_shape: tuple[int, ...], cl
         with safe_open(str(path), framework="np") as stored:
             meta = stored.metadata() or {}
             names = json.loads(meta.get("class_names", "null"))
+            features = json.loads(meta.get("feature_names", "null"))
             arrays = {k: stored.get_tensor(k) for k in stored.keys()}
     except (OSError, ValueError, SafetensorError, MemoryError, RecursionError) as exc:  # torn or foreign: computed again
         log.info("ignoring the cached split %s: %s", path, exc)
         return None
     if not (isinstance(names, list) and len(names) == classes and all(isinstance(n, str) and 0 < len(n) <= 100 for n in names)):
         return None
-    if meta.get("sha256") != _digest(arrays, meta["class_names"]):  # a flipped bit passes every other check
+    if standardised != (isinstance(features, list) and len(features) == input_shape[0]
+                        and all(isinstance(n, str) and 0 < len(n) <= 200 for n in features)):
+        return None  # a table's columns are named (a file of an older version without them: computed again)
+    if meta.get("sha256") != _digest(arrays, meta["class_names"], meta.get("feature_names", "")):  # a flipped bit passes every other check
         log.info("ignoring the cached split %s: its contents do not match their SHA-256", path)
         return None
     if not _is_a_split(arrays, samples, input_shape, classes, standardised):
         return None
-    return {**arrays, "class_names": np.array(names)}
+    return {**arrays, "class_names": np.array(names), **({"feature_names": np.array(features)} if standardised else {})}
 
 
 def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[int, ...], classes: int, standardised: bool) -> bool:
@@ -91,14 +96,16 @@ def _is_a_split(arrays: dict[str, np.ndarray], samples: int, input_shape: tuple[
             and bool(np.isfinite(x_train).all()) and bool(np.isfinite(x_test).all()))
 
 
-def _digest(arrays: dict[str, np.ndarray], names: str) -> str:
-    """SHA-256 of the split as written: each array's name, type, shape and bytes, then the class names."""
+def _digest(arrays: dict[str, np.ndarray], names: str, features: str = "") -> str:
+    """SHA-256 of the split as written: each array's name, type, shape and bytes, then the class
+    names and (a table's) the column names."""
     h = hashlib.sha256()
     for key in sorted(arrays):
         value = np.ascontiguousarray(arrays[key])
         h.update(f"{key}:{value.dtype.str}:{value.shape};".encode())
         h.update(value.tobytes())
     h.update(names.encode())
+    h.update(features.encode())
     return h.hexdigest()
 
 
@@ -109,9 +116,11 @@ def write_split(path: Path | None, arrays: dict[str, np.ndarray]) -> None:
         return
     from safetensors.numpy import save
 
-    tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items() if k != "class_names"}
+    tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items() if k not in ("class_names", "feature_names")}
     names = json.dumps([str(c) for c in arrays["class_names"]])
-    blob = save(tensors, metadata={"class_names": names, "sha256": _digest(tensors, names)})
+    features = json.dumps([str(c) for c in arrays["feature_names"]]) if "feature_names" in arrays else ""
+    blob = save(tensors, metadata={"class_names": names, **({"feature_names": features} if features else {}),
+                                   "sha256": _digest(tensors, names, features)})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a name of its own, created exclusively (mkstemp would make the file 0600: the cache is
