@@ -108,7 +108,9 @@ class DeviceLoop:
         self.last_work: WorkDone | None = None
         self.state = state
         self.resumed_from: int | None = None  # the round whose saved state this loop continued from
-        self._start_told = False  # the first upload says where this process started from (PROTOCOL.md 4.3)
+        #: whether an upload said where this device started from (a first upload from scratch says so,
+        #: PROTOCOL.md 4.3); a simulation's checkpoint keeps it, so a resumed run's uploads are the same bytes
+        self.start_told = False
         self._saved: tuple[int, str | None, dict[str, torch.Tensor], bytes] | None = None  # loaded, not yet applied
         self.run_id: str | None = None  # the server's run id (info.run), once a message named it
         #: set by a simulation that trains several devices' downloads together: called with a
@@ -358,15 +360,17 @@ class DeviceLoop:
             # a new message: what the client half returned stays as it made it
             message = Message(message.kind, message.round, message.sender, message.tensors,
                               {**message.meta, "eval_accuracy": self._accuracy()}, message.message_id)
-        if not self._start_told:
+        if not self.start_told:
             # the server can then tell a device that restarted from scratch mid-run (its accuracy
-            # drops while its model catches up) from one that went on from its saved state
-            self._start_told = True
-            start: dict[str, Any] = {"started_from": "scratch" if self.resumed_from is None else "saved state"}
-            if self.resumed_from is None and self.state is not None and self.state.lost:
-                start["state_lost"] = self.state.lost[:250]
-            message = Message(message.kind, message.round, message.sender, message.tensors, {**message.meta, **start},
-                              message.message_id)
+            # drops while its model catches up); one that went on from its saved state says nothing,
+            # as it would not have had it never stopped (a resumed run's bytes are an uninterrupted run's)
+            self.start_told = True
+            if self.resumed_from is None:
+                start: dict[str, Any] = {"started_from": "scratch"}
+                if self.state is not None and self.state.lost:
+                    start["state_lost"] = self.state.lost[:250]
+                message = Message(message.kind, message.round, message.sender, message.tensors, {**message.meta, **start},
+                                  message.message_id)
         for f in self.filters:
             message = f.upload_out(message)
         body = encode(message)

@@ -125,6 +125,7 @@ class Simulation:
         tensors = {f"{device}|{name}": t for device, loop in sorted(self.network.loops.items()) for name, t in loop.carry_state().items()}
         net = self.network
         meta = {"format": DEVICES_FORMAT, "round": round_no, "tag": self.session.checkpoint_tag, "devices": sorted(net.loops),
+                "start_told": sorted(d for d, loop in net.loops.items() if loop.start_told),
                 "clock": {"now": net.clock, "device_now": net._device_now, "busy_until": dict(net._busy_until)}}
         if self.cfg.mode == "async":
             # between updates, messages are on their way: uploads priced to arrive later, answers
@@ -158,9 +159,13 @@ class Simulation:
                 or meta.get("devices") != sorted(self.network.loops) or str(meta.get("tag", "")) != self.session.resumed_tag:
             raise ConfigError(f"{path} does not hold this run's devices after round {first - 1} (a checkpoint interrupted "
                               "while it was written, or another run's)", hint="start the run again")
+        told = meta.get("start_told")
         for device, loop in self.network.loops.items():
             prefix = device + "|"
             loop.load_carry_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+            # a device that said where it started says it no more: not a restart from scratch (a
+            # checkpoint of an older version does not list them: none says it again)
+            loop.start_told = device in told if isinstance(told, list) else True
         clock = meta["clock"]
         self.network.clock, self.network._device_now = float(clock["now"]), float(clock["device_now"])
         self.network._busy_until = {str(d): float(t) for d, t in clock["busy_until"].items()}
