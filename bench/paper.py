@@ -277,7 +277,29 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
         shutil.rmtree(run)
     else:
         print(f"{cell.key}: starting ({cell.row}, {cell.column}, seed {cell.seed})", flush=True)
-    return subprocess.call(cmd, cwd=ROOT)
+    return _run_forwarding_stops(cmd)
+
+
+def _run_forwarding_stops(cmd: list[str]) -> int:
+    """Run a cell's ``edgefl simulate`` and pass it each Ctrl-C or SIGTERM this driver gets, once: the
+    first makes it finish its round and checkpoint, a second stops it at once. It runs in a session of
+    its own, so a terminal's Ctrl-C reaches it only through here (not twice), and this driver waits for
+    its checkpoint instead of dying first (subprocess.call kills its child on KeyboardInterrupt)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    stops: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        stops.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 130 if stops else code
 
 
 def _duration(seconds: float) -> str:

@@ -120,3 +120,38 @@ def test_the_list_says_what_each_scale_sets():
     cpu = subprocess.run([sys.executable, script, "--list", "--scale", "cpu"], capture_output=True, text=True, timeout=120)
     assert "at --scale paper: 50000 rounds, 10 devices, width 1" in paper.stdout
     assert "at --scale cpu: 2000 rounds, 10 devices, width 0.25" in cpu.stdout
+
+
+@pytest.mark.parametrize("whom", ["group", "driver"])
+def test_a_stopped_table_run_waits_for_its_cell_to_checkpoint(tmp_path, whom):
+    """Ctrl-C at a terminal signals the driver and its cell together ("group"); a scheduler may signal
+    the driver alone ("driver"). Either way the cell finishes its round and checkpoints, and the same
+    command goes on from there (an outside trial lost a cell's 145 rounds: the driver died first,
+    killing the cell before its checkpoint)."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "chfl"
+    cmd = [sys.executable, str(ROOT / "bench" / "paper.py"), "chfl", "--out", str(out), "--cells", "chfl-iid-s0",
+           "--set", "rounds=100000", "--set", "simulation.checkpoint_every=1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+    metrics = out / "chfl-iid-s0" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    if whom == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    printed, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 130, printed[-3000:]
+    assert "stopped during chfl-iid-s0: the same command resumes it" in printed
+    run = out / "chfl-iid-s0"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] and summary["rounds_played"] >= 2
+    assert (run / "server-state.safetensors").is_file()  # checkpointed at the stop, though the interval is 1000 rounds
+    assert "Traceback" not in printed
