@@ -426,12 +426,22 @@ def _commit() -> str:
         return "unknown"
 
 
-def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str]) -> dict[str, Any]:
+def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
+           seeds: list[int] | None = None) -> dict[str, Any]:
     got: dict[tuple[str, str], list[float]] = {}
+    asked: dict[tuple[str, str], int] = {}
     done: list[dict[str, Any]] = []
+    missing: list[str] = []
+    partial: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for cell in cells:
+        asked[cell.row, cell.column] = asked.get((cell.row, cell.column), 0) + 1
         s = _summary(out / cell.key)
         if not s or s.get("interrupted"):
+            if s:  # stopped part-way: said as such, not as a cell never started
+                partial.setdefault((cell.row, cell.column), []).append(
+                    {"cell": cell.key, "rounds_played": s.get("rounds_played"), "rounds": s.get("rounds")})
+            else:
+                missing.append(cell.key)
             continue
         values = {cell.row: _accuracy(s, cell.metric), **(cell.extra(s) if cell.extra else {})}
         for row, value in values.items():
@@ -448,10 +458,14 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     for row in rows:
         for column in table.columns:
             mine, theirs = got.get((row, column), []), table.paper.get((row, column))
-            ours = (f"{statistics.fmean(mine):.2f}" + (f"+-{statistics.stdev(mine):.2f}" if len(mine) > 1 else "")) if mine else "not run"
+            stopped = partial.get((row, column), [])
+            ours = (f"{statistics.fmean(mine):.2f}" + (f"+-{statistics.stdev(mine):.2f}" if len(mine) > 1 else "")) if mine else \
+                (f"stopped at {stopped[0]['rounds_played']}/{stopped[0]['rounds']}" if stopped else "not run")
+            if mine and len(mine) < asked.get((row, column), 0):  # a mean over fewer seeds than asked for says so
+                ours += f" [{len(mine)} of {asked[row, column]} seeds]"
             shown[row, column] = f"{ours} ({'-' if theirs is None else f'{theirs:.2f}'})"
             lines.append({"row": row, "column": column, "ours": mine, "ours_mean": statistics.fmean(mine) if mine else None,
-                          "paper": theirs})
+                          "seeds_done": len(mine), "seeds_asked": asked.get((row, column), 0), "paper": theirs})
     label = max(len(r) for r in rows)
     width = max([len(c) for c in table.columns] + [len(v) for v in shown.values()])
     head = " " * label + "".join(f" | {c:>{width}s}" for c in table.columns)
@@ -459,7 +473,12 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     for row in rows:
         print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
     print("(ours, paper's in brackets; mean +- sd over seeds)")
+    if missing or partial:
+        print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way "
+              "(the same command without --report-only goes on)")
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
+               "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
+               "missing": missing, "partial": [p for v in partial.values() for p in v],
                "device": device, "overrides": overrides, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
                "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
@@ -503,6 +522,28 @@ def _setting(config: dict[str, Any]) -> str:
             f"{'/'.join(str(e) for e in epochs)} local epoch(s)")
 
 
+def _seeds(text: str, ap: argparse.ArgumentParser) -> list[int]:
+    """``--seeds``: comma-separated non-negative integers, each once (a usage error otherwise)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        ap.error(f"--seeds takes comma-separated non-negative integers, e.g. 0,1,2 (got {text!r})")
+    seeds = [int(p) for p in parts]
+    if len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds names a seed twice ({text!r})")
+    return seeds
+
+
+def _other_table(out: Path, name: str, scale: str) -> str | None:
+    """What ``out`` holds when it is another table's (or another scale's) folder, from its table.json."""
+    try:
+        held = json.loads((out / "table.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(held, dict) or (held.get("table"), held.get("scale")) == (name, scale):
+        return None
+    return f"the {held.get('table')!s:.40} table at --scale {held.get('scale')!s:.20}"
+
+
 def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--list | head` ends quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -520,7 +561,7 @@ def main() -> None:
                     help="no table: run each cell SECONDS, then estimate from its round times how long the table takes "
                          "here (writes OUT/probe.json; for planning a lent GPU's minutes)")
     args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    seeds = _seeds(args.seeds, ap)
     if args.list or args.table is None:
         for name, table in TABLES.items():
             listed = [c for s in seeds for c in table.cells(args.scale, s)]
@@ -529,8 +570,10 @@ def main() -> None:
         return
     table = TABLES[args.table]
     cells = [c for s in seeds for c in table.cells(args.scale, s)]
-    if args.cells:
-        wanted = set(args.cells.split(","))
+    if args.cells is not None:
+        wanted = {k.strip() for k in args.cells.split(",")}
+        if "" in wanted:
+            ap.error(f"--cells names cells, comma-separated (got {args.cells!r}); leave it out to run every cell")
         unknown = wanted - {c.key for c in cells}
         if unknown:
             ap.error(f"no cells {sorted(unknown)} in {args.table}: it has {', '.join(c.key for c in cells)}"
@@ -539,6 +582,9 @@ def main() -> None:
     out = args.out or RESULTS / "paper" / f"{args.table}-{args.scale}"
     if args.report_only and not out.is_dir():
         ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
+    other = _other_table(out, args.table, args.scale)
+    if other:
+        ap.error(f"{out} holds {other}: give this table its own --out (its cells and table.json would mix with those)")
     if args.probe is not None and not (math.isfinite(args.probe) and args.probe > 0):
         ap.error(f"--probe takes the seconds to run each cell, a number above 0 (got {args.probe:g})")
     if args.probe is not None and args.report_only:
@@ -558,11 +604,11 @@ def main() -> None:
             code = run_cell(cell, out, args.device, args.overrides)
             if code == 130:
                 print(f"stopped during {cell.key}: the same command resumes it", flush=True)
-                report(args.table, table, cells, out, args.scale, args.device, args.overrides)
+                report(args.table, table, cells, out, args.scale, args.device, args.overrides, seeds)
                 raise SystemExit(130)
             if code != 0:
                 failed.append((cell.key, code))
-    report(args.table, table, cells, out, args.scale, args.device, args.overrides)
+    report(args.table, table, cells, out, args.scale, args.device, args.overrides, seeds)
     if failed:
         raise SystemExit(f"cells that failed: {', '.join(f'{k} (exit {c})' for k, c in failed)}; their run directories say why")
 

@@ -56,6 +56,14 @@ def test_a_table_runs_its_cells_skips_the_finished_ones_and_records_the_paper_be
     assert row[("SOLO", "non-iid")]["ours"] == []  # not run: shown as such
     assert table["commit"] and table["machine"] and (out / "table.png").stat().st_size > 0
     assert "not run" in again.stdout and "(89.88)" in again.stdout
+    assert table["seeds"] == [0] and table["missing"] == [] and table["partial"] == []
+    # the report of more seeds than were run says how many each mean stands on, and which cells are missing
+    more = subprocess.run([sys.executable, str(ROOT / "bench" / "paper.py"), "chfl", "--out", str(out), "--cells",
+                           "chfl-iid-s0,chfl-iid-s1", "--seeds", "0,1", "--report-only"], capture_output=True, text=True, timeout=120)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "[1 of 2 seeds]" in more.stdout and "1 cell(s) not started" in more.stdout
+    table = json.loads((out / "table.json").read_text())
+    assert table["seeds"] == [0, 1] and table["missing"] == ["chfl-iid-s1"]
 
 
 def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
@@ -67,6 +75,20 @@ def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "absent").exists()
+    # an outside trial's mistakes: each a usage error before anything is run or written
+    other = tmp_path / "fedhe-cpu"
+    other.mkdir()
+    (other / "table.json").write_text(json.dumps({"table": "fedhe", "scale": "cpu"}))
+    for args, said in [(["--report-only", "--out", str(other)], "holds the fedhe table at --scale cpu"),
+                       (["--out", str(other)], "give this table its own --out"),
+                       (["--seeds", "0,,x"], "comma-separated non-negative integers"), (["--seeds", "0-2"], "got '0-2'"),
+                       (["--seeds", ""], "non-negative integers"), (["--seeds", "-1"], "non-negative"),
+                       (["--seeds", "1,1"], "twice"), (["--cells", ""], "leave it out to run every cell")]:
+        bad = subprocess.run([sys.executable, script, "chfl", *args, *([] if "--out" in args else ["--out", str(tmp_path / "t")])],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr[-2000:])
+    assert json.loads((other / "table.json").read_text()) == {"table": "fedhe", "scale": "cpu"}  # left as it was
+    assert not (tmp_path / "t").exists()
 
 
 def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table(tmp_path):
@@ -155,3 +177,6 @@ def test_a_stopped_table_run_waits_for_its_cell_to_checkpoint(tmp_path, whom):
     assert summary["interrupted"] and summary["rounds_played"] >= 2
     assert (run / "server-state.safetensors").is_file()  # checkpointed at the stop, though the interval is 1000 rounds
     assert "Traceback" not in printed
+    assert f"stopped at {summary['rounds_played']}/100000" in printed and "1 stopped part-way" in printed
+    assert json.loads((out / "table.json").read_text())["partial"] == [
+        {"cell": "chfl-iid-s0", "rounds_played": summary["rounds_played"], "rounds": 100000}]
