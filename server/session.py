@@ -244,9 +244,9 @@ class RunSession:
         if not recorded:
             return ConfigError("nothing to resume: the run directory holds no server state",
                                hint="pass the --out folder of the interrupted run, or drop --resume")
-        every = self.cfg.simulation.checkpoint_every
-        when = (f"it checkpoints every {every} {'records' if self.cfg.mode == 'async' else 'rounds'} "
-                "(simulation.checkpoint_every)" if every else "simulation.checkpoint_every is 0")
+        every = _saved_checkpoint_every(self.run_dir.path, self.cfg.simulation.checkpoint_every)  # the run's, not the command's
+        when = (f"it checkpointed every {every} {'records' if self.cfg.mode == 'async' else 'rounds'} "
+                "(simulation.checkpoint_every)" if every else "its simulation.checkpoint_every was 0")
         if self.run_dir.finished():
             return ConfigError(f"nothing to resume: this run finished after {recorded} records without a checkpoint ({when}); "
                                "its results stay as they are", hint="to play it again, start it with another --out")
@@ -274,7 +274,7 @@ class RunSession:
                     log.warning("the checkpoint predates %s.%s: the run goes on with %r, as it began", table, key, older)
                     setattr(getattr(self.cfg, table), key, older)
         elif saved_digest != config_digest(self.cfg):
-            raise ConfigError(f"the saved server state belongs to another config{_config_changes(self.cfg, self.run_dir.path)}",
+            raise ConfigError(f"the saved server state belongs to another config{config_changes(self.cfg, self.run_dir.path)}",
                               hint="resume with the interrupted run's config.toml and no --set that changes it")
         if asynchronous and not isinstance(extra.get("carried"), dict):
             raise ConfigError("the saved server state holds no asynchronous run's work out (saved by an older edgefl?)",
@@ -469,8 +469,20 @@ def _saved_setting(run_dir: Path, table: str, key: str) -> Any:
     return node.get(key) if isinstance(node, dict) else None
 
 
-def _config_changes(cfg: RunConfig, run_dir: Path) -> str:
-    """``: rounds 3 -> 4, ...`` against the run directory's config.toml, when it can be read."""
+def _saved_checkpoint_every(run_dir: Path, default: int) -> int:
+    """The interval the run in ``run_dir`` checkpointed at (its config.toml), else ``default``."""
+    from edgefl.configtools import tomllib
+
+    try:
+        every = tomllib.loads((run_dir / "config.toml").read_text()).get("simulation", {}).get("checkpoint_every", default)
+    except (OSError, ValueError, AttributeError):
+        return default
+    return every if isinstance(every, int) and not isinstance(every, bool) else default
+
+
+def config_changes(cfg: RunConfig, run_dir: Path) -> str:
+    """``: rounds 3 -> 4, ...`` against the run directory's config.toml, when it can be read ("" when
+    only what a resume may change differs)."""
     from edgefl.configtools import tomllib
 
     def flat(node: Any, prefix: str = "") -> dict[str, Any]:

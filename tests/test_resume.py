@@ -167,8 +167,11 @@ def test_a_run_that_ended_before_its_first_checkpoint_says_why_there_is_nothing_
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
     assert isinstance(res.exception, ConfigError)
     text = " ".join(f"{res.exception} {res.exception.hint}".split())
-    assert "this run finished after 2 records without a checkpoint (it checkpoints every 3 rounds" in text
+    assert "this run finished after 2 records without a checkpoint (it checkpointed every 3 rounds" in text
     assert "results stay as they are" in text and "another --out" in text
+    # the interval said is the run's own (its config.toml), not the one the resuming command gives
+    with pytest.raises(ConfigError, match="checkpointed every 3 rounds"):
+        Simulation(_config("fedavg", rounds=2, every=5), RunDir(out), show_progress=False).resume()
     (out / "summary.json").unlink()  # as after a crash: rounds recorded, no summary, no checkpoint
     res = CliRunner().invoke(app, ["simulate", "--out", str(out), "--resume", "--quiet"])
     text = " ".join(f"{res.exception} {res.exception.hint}".split())
@@ -489,7 +492,12 @@ def test_a_resume_that_turns_checkpoints_off_says_so(tmp_path):
     off = _config("fedavg", rounds=2, every=0)
     with pytest.raises(ConfigError, match="a resume needs checkpoints") as exc:
         Simulation(off, RunDir(run.path), show_progress=False).resume()
-    assert "checkpoint_every=0" in exc.value.hint
+    assert "the run's config.toml" in exc.value.hint and "checkpoint_every above 0" in exc.value.hint
+    # another run's config altogether (an outside trial passed another table's cell): said so, not the interval
+    other = _config("fedavg", rounds=5, every=0)
+    with pytest.raises(ConfigError, match="has another config: rounds 2 -> 5") as exc:
+        Simulation(other, RunDir(run.path), show_progress=False).resume()
+    assert "own config.toml" in exc.value.hint
 
 
 def test_a_finished_fleet_run_is_not_resumed_nor_rewritten(tmp_path):

@@ -35,7 +35,7 @@ from edgefl.rundir import RunDir
 from edgefl.safetext import printable
 from edgefl.filters import build_chain
 from edgefl.server.rounds import SyncRounds
-from edgefl.server.session import DEVICES_FILE, RunSession, safe_name
+from edgefl.server.session import DEVICES_FILE, RunSession, config_changes, safe_name
 from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
@@ -144,8 +144,13 @@ class Simulation:
             why = ("it spreads devices over worker processes, whose states are not saved (run it with --set simulation.workers=1 "
                    "to checkpoint)" if self.hosts else "simulation.checkpoint_every is 0")
             if not self.hosts and self.run_dir is not None and (self.run_dir.path / DEVICES_FILE).is_file():
-                raise ConfigError("a resume needs checkpoints, and simulation.checkpoint_every is 0 here (the run's own "
-                                  "config checkpointed)", hint="resume without --set simulation.checkpoint_every=0")
+                changed = config_changes(self.cfg, self.run_dir.path)
+                if changed:  # another run's config altogether: say that, not the interval
+                    raise ConfigError(f"the run in {self.run_dir.path} has another config{changed}",
+                                      hint="resume with the interrupted run's own config.toml (in its folder)")
+                raise ConfigError("a resume needs checkpoints, and the config given sets simulation.checkpoint_every = 0 "
+                                  "(the run's own config.toml checkpointed)",
+                                  hint="resume with the run's config.toml, or a checkpoint_every above 0 (--set simulation.checkpoint_every=N)")
             raise ConfigError(f"this run cannot be resumed: {why}", hint="start it again")
         first = self.session.resume()
         path = self.run_dir.path / DEVICES_FILE  # type: ignore[union-attr]
