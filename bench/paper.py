@@ -81,6 +81,8 @@ class Table:
     paper_source: str
     cells: Callable[[str, int], list[Cell]]  # (scale, seed) -> the cells
     columns: list[str] = field(default_factory=list)
+    #: what a seed of it cost where it was measured (docs/benchmarks.md 25), per scale: for planning, not a promise
+    cost: dict[str, str] = field(default_factory=dict)
 
 
 # --- FedHe (paper 002): heterogeneous, FedHe against private training --------------------------------
@@ -213,30 +215,35 @@ TABLES: dict[str, Table] = {
         "FedHe (paper 002): ten heterogeneous CNNs, FedHe against private training",
         "the authors' split (contiguous tenths), one client per iteration, 3 batches of 50, Adam 1e-3 kept per client, alpha 1 (MSE); "
         "paper rows are MNIST, ours Fashion-MNIST (no MNIST copy here)",
-        {("FedHe", "contiguous"): 98.5, ("Private", "contiguous"): 98.0}, "paper Table II, MNIST", _fedhe, ["contiguous"]),
+        {("FedHe", "contiguous"): 98.5, ("Private", "contiguous"): 98.0}, "paper Table II, MNIST", _fedhe, ["contiguous"],
+        {"cpu": "about 10 min a cell, 2 cells a seed, on a 2-core CPU", "paper": "about 30 min a seed on an H200 (measured)"}),
     "fedin": Table(
         "FedIN (paper 001) Table 1: 100 devices, ResNet10/14/18/22/26, 500 rounds, 5 local epochs",
         "Fashion-MNIST, IID and Dirichlet(0.5); FedAvg with the same layer-wise aggregation, no IN, no prox",
         {("FedIN", "iid"): 91.2, ("FedIN", "dirichlet"): 90.3, ("FedAvg", "iid"): 90.3, ("FedAvg", "dirichlet"): 89.4},
-        "paper Table 1, Fashion-MNIST", _fedin, ["iid", "dirichlet"]),
+        "paper Table 1, Fashion-MNIST", _fedin, ["iid", "dirichlet"],
+        {"cpu": "1.5-3.2 min a cell, 4 cells a seed, on a 2-core CPU", "paper": "about 30 h a seed on an H200 (estimated from a probe)"}),
     "felo-velo": Table(
         "Felo and Velo (paper 000) against FedAvg-groups: 20 devices, five ResNet depths, 20 % a round",
         "Fashion-MNIST here; the paper's rows are CIFAR-10 (not on this machine)",
         {("Velo", "iid"): 76.33, ("Felo", "iid"): 76.10, ("Velo", "dirichlet"): 57.17, ("Felo", "dirichlet"): 56.88},
-        "paper Table 1, CIFAR-10", _felo_velo, ["iid", "dirichlet"]),
+        "paper Table 1, CIFAR-10", _felo_velo, ["iid", "dirichlet"],
+        {"cpu": "1.3-2.4 min a cell, 6 cells a seed, on a 2-core CPU", "paper": "about 3.2 h a seed on an H200 (estimated from a probe)"}),
     "fedmho": Table(
         "FedMHO (paper 003) Table IV: one round, 5 VGG-9 + 5 CVAE-small clients",
         "Fashion-MNIST, Dirichlet 0.5 / 0.3 / 0.1; FedAvg = the average of the VGG-9 clients FedMHO fuses from",
         {(r, f"Dir {a}"): v for r, vals in {"FedAvg": (60.24, 47.36, 30.37), "FEDCVAE": (69.11, 68.39, 64.01),
                                             "FedMHO": (75.30, 72.36, 62.14), "FedMHO-MD": (77.27, 75.69, 71.04),
                                             "FedMHO-SD": (77.73, 76.45, 69.65)}.items() for a, v in zip((0.5, 0.3, 0.1), vals)},
-        "paper Table IV, Fashion-MNIST", _fedmho, ["Dir 0.5", "Dir 0.3", "Dir 0.1"]),
+        "paper Table IV, Fashion-MNIST", _fedmho, ["Dir 0.5", "Dir 0.3", "Dir 0.1"],
+        {"paper": "not measured (no round in a 45 s probe on an H200), 12 cells a seed"}),
     "chfl": Table(
         "CHFL (paper 004) Table 1, BCD: 8 devices, each its own 30 % of the features and its own random MLP",
         "breast cancer (scikit-learn's copy of BCD), best accuracy over 60 epochs as the paper reports it",
         {("CHFL", "iid"): 89.88, ("SOLO", "iid"): 81.85, ("AVG", "iid"): 82.65,
          ("CHFL", "non-iid"): 90.66, ("SOLO", "non-iid"): 71.40, ("AVG", "non-iid"): 78.56},
-        "paper Table 1, BCD", _chfl, ["iid", "non-iid"]),
+        "paper Table 1, BCD", _chfl, ["iid", "non-iid"],
+        {scale: "about 10 s a cell, 6 cells a seed, on a 2-core CPU (the paper's own scale)" for scale in ("cpu", "paper")}),
 }
 
 
@@ -420,10 +427,14 @@ def _accuracy(summary: dict[str, Any], metric: str) -> float | None:
 
 
 def _commit() -> str:
+    """The checkout's commit, with "-dirty" when tracked files differ from it (the numbers came from that code)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("-dirty" if changed else "")
 
 
 def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
@@ -479,7 +490,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
                "missing": missing, "partial": [p for v in partial.values() for p in v],
-               "device": device, "overrides": overrides, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
+               "device": device, "compute_devices": sorted({str(d["compute_device"]) for d in done if d.get("compute_device")}),
+               "overrides": overrides, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
                "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
     (out / "table.json").write_text(json.dumps(payload, indent=2, default=str))
@@ -516,10 +528,19 @@ def _setting(config: dict[str, Any]) -> str:
     """What a scale changes, in a line: rounds, devices, width, epochs."""
     groups = (config.get("fleet") or {}).get("groups") or []
     devices = sum(int(g.get("count", 1)) for g in groups)
-    widths = sorted({(g.get("options") or {}).get("width", 1.0) for g in groups})
+    widths = sorted({g["options"]["width"] for g in groups if "width" in (g.get("options") or {})})  # models that have one
     epochs = sorted({(g.get("train") or {}).get("epochs") or (config.get("train") or {}).get("epochs") or 1 for g in groups})
-    return (f"{config['rounds']} rounds, {devices} devices, width {'/'.join(f'{w:g}' for w in widths)}, "
-            f"{'/'.join(str(e) for e in epochs)} local epoch(s)")
+    rounds = config["rounds"]
+    per_round = (config.get("fleet") or {}).get("sample_ratio")
+    picked = max(1, round(per_round * devices)) if per_round else devices
+    length = (f"{rounds} rounds of one device each (the authors' iterations)" if picked == 1
+              else "1 round (one-shot)" if rounds == 1 else f"{rounds} rounds")
+    return (f"{length}, {devices} devices" + (f", width {'/'.join(f'{w:g}' for w in widths)}" if widths else "")
+            + f", {'/'.join(str(e) for e in epochs)} local epoch(s)")
+
+
+SCALES = {"paper": "the paper's length, devices, widths and epochs: a GPU's work",
+          "cpu": "every choice of the paper's but length, devices, widths and epochs, cut to fit a 2-core CPU"}
 
 
 def _seeds(text: str, ap: argparse.ArgumentParser) -> list[int]:
@@ -544,11 +565,29 @@ def _other_table(out: Path, name: str, scale: str) -> str | None:
     return f"the {held.get('table')!s:.40} table at --scale {held.get('scale')!s:.20}"
 
 
+def _check_cells(ap: argparse.ArgumentParser, cells: list[Cell], device: str, overrides: list[str]) -> None:
+    """Said once, before any cell runs: a --set that makes a config invalid, or CUDA asked for on a
+    machine without it (else every cell would fail with the same reason)."""
+    from edgefl.config import validate_config
+
+    for cell in cells:
+        try:
+            validate_config(apply_overrides(dict(cell.config, device=device), overrides), cell.key)
+        except EdgeflError as exc:
+            ap.error(f"{exc}" + (f" (hint: {exc.hint})" if getattr(exc, "hint", None) else ""))
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda, but torch sees no CUDA device on this machine: --device auto (or cpu) runs here")
+
+
 def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--list | head` ends quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("table", nargs="?", choices=sorted(TABLES))
-    ap.add_argument("--scale", choices=("paper", "cpu"), default="cpu")
+    ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",
+                    help="; ".join(f"{k}: {v}" for k, v in SCALES.items()) + " (default: cpu)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (CHFL's paper uses five: 0,1,2,3,4)")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/paper/<table>-<scale>")
@@ -563,9 +602,11 @@ def main() -> None:
     args = ap.parse_args()
     seeds = _seeds(args.seeds, ap)
     if args.list or args.table is None:
+        print(f"--scale {args.scale}: {SCALES[args.scale]} (--scale {'paper' if args.scale == 'cpu' else 'cpu'} lists the other)\n")
         for name, table in TABLES.items():
             listed = [c for s in seeds for c in table.cells(args.scale, s)]
             print(f"{name}: {table.title}\n  {table.note}\n  at --scale {args.scale}: {_setting(listed[0].config)}"
+                  f"\n  cost: {table.cost.get(args.scale, 'not measured')} (--probe SECONDS estimates it on this machine)"
                   f"\n  cells: {', '.join(c.key for c in listed)}")
         return
     table = TABLES[args.table]
@@ -589,6 +630,8 @@ def main() -> None:
         ap.error(f"--probe takes the seconds to run each cell, a number above 0 (got {args.probe:g})")
     if args.probe is not None and args.report_only:
         ap.error("--probe runs cells and --report-only runs none: give one of them")
+    if not args.report_only:
+        _check_cells(ap, cells, args.device, args.overrides)
     out.mkdir(parents=True, exist_ok=True)
     if args.probe is not None:
         try:

@@ -18,6 +18,12 @@ from edgefl.config import validate_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _paper():
     sys.path.insert(0, str(ROOT / "bench"))
     try:
@@ -55,6 +61,7 @@ def test_a_table_runs_its_cells_skips_the_finished_ones_and_records_the_paper_be
     assert row[("CHFL", "iid")]["paper"] == 89.88 and 0 < row[("CHFL", "iid")]["ours_mean"] <= 100
     assert row[("SOLO", "non-iid")]["ours"] == []  # not run: shown as such
     assert table["commit"] and table["machine"] and (out / "table.png").stat().st_size > 0
+    assert table["compute_devices"] == ["cpu"] or torch_has_cuda()  # the device the cells ran on, not "auto"
     assert "not run" in again.stdout and "(89.88)" in again.stdout
     assert table["seeds"] == [0] and table["missing"] == [] and table["partial"] == []
     # the report of more seeds than were run says how many each mean stands on, and which cells are missing
@@ -140,8 +147,25 @@ def test_the_list_says_what_each_scale_sets():
     script = str(ROOT / "bench" / "paper.py")
     paper = subprocess.run([sys.executable, script, "--list", "--scale", "paper"], capture_output=True, text=True, timeout=120)
     cpu = subprocess.run([sys.executable, script, "--list", "--scale", "cpu"], capture_output=True, text=True, timeout=120)
-    assert "at --scale paper: 50000 rounds, 10 devices, width 1" in paper.stdout
-    assert "at --scale cpu: 2000 rounds, 10 devices, width 0.25" in cpu.stdout
+    assert "at --scale paper: 50000 rounds of one device each (the authors' iterations), 10 devices, 1 local" in paper.stdout
+    assert "at --scale cpu: 2000 rounds of one device each (the authors' iterations), 10 devices, width 0.25" in cpu.stdout
+    assert "at --scale paper: 1 round (one-shot), 10 devices, width 1, 40/200 local epoch(s)" in paper.stdout  # FedMHO
+    assert "cost: about 30 min a seed on an H200" in paper.stdout and "cost: about 10 min a cell" in cpu.stdout
+    assert cpu.stdout.startswith("--scale cpu: every choice of the paper's but") and "--scale paper lists the other" in cpu.stdout
+
+
+def test_an_invalid_set_or_a_missing_gpu_is_said_once_before_any_cell_runs(tmp_path):
+    import torch
+
+    script = str(ROOT / "bench" / "paper.py")
+    bad = subprocess.run([sys.executable, script, "chfl", "--set", "rounds=abc", "--out", str(tmp_path / "t")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "rounds: Input should be a valid integer" in bad.stderr and "run directories" not in bad.stderr
+    if not torch.cuda.is_available():
+        gpu = subprocess.run([sys.executable, script, "chfl", "--device", "cuda", "--out", str(tmp_path / "t")],
+                             capture_output=True, text=True, timeout=120)
+        assert gpu.returncode == 2 and gpu.stderr.count("no CUDA device") == 1 and "--device auto" in gpu.stderr
+    assert not (tmp_path / "t").exists()
 
 
 @pytest.mark.parametrize("whom", ["group", "driver"])
