@@ -54,7 +54,7 @@ import tomli_w
 from common import RESULTS, save_figure
 
 from edgefl.config import apply_overrides
-from edgefl.environment import machine, package_versions
+from edgefl.environment import machine, package_versions, source_commit
 from edgefl.errors import EdgeflError
 from edgefl.rundir import RunDir
 
@@ -428,13 +428,7 @@ def _accuracy(summary: dict[str, Any], metric: str) -> float | None:
 
 def _commit() -> str:
     """The checkout's commit, with "-dirty" when tracked files differ from it (the numbers came from that code)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
-                                 check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("-dirty" if changed else "")
+    return source_commit() or "unknown"
 
 
 def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],

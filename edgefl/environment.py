@@ -25,6 +25,25 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def source_commit() -> str | None:
+    """The commit of the git checkout edgefl runs from (an editable install), with "-dirty" when its
+    tracked files differ from it; None for an installed package or without git. A version number
+    alone does not say which code of a development checkout produced a run's numbers."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True,
+                               timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def cpu_model() -> str | None:
     """The processor's name (Linux: /proc/cpuinfo; elsewhere what ``platform`` knows), or None."""
     try:

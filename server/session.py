@@ -22,7 +22,7 @@ from edgefl.build import DeviceSlot, RunParts, held_out_indices, model_meta, par
 from edgefl.compute import resolve_device
 from edgefl.config import RunConfig
 from edgefl.data import Dataset, class_counts
-from edgefl.environment import machine, package_versions
+from edgefl.environment import machine, package_versions, source_commit
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.methods import get_method
 from edgefl.models import get_spec
@@ -198,7 +198,7 @@ class RunSession:
             "name": cfg.name, "method": cfg.method.name, "seed": cfg.seed, "runner": runner, "federation": federation,
             "dataset": {"name": ds.name, "source": ds.source, "files": list(ds.files), "train": len(ds.y_train),
                         "test_used": len(self.parts.y_test)},
-            "versions": package_versions(), "machine": machine(), "deadline_s": self.policy.deadline_s,
+            "versions": package_versions(), "edgefl_commit": source_commit(), "machine": machine(), "deadline_s": self.policy.deadline_s,
             "compute_device": str(resolve_device(cfg.device)),  # where this process's halves compute
             "device_profiles": {s.profile.id: s.profile.to_dict() for s in self.parts.slots if s.profile is not None},
             **({"filters": [f.describe() for f in self.filters]} if self.filters else {}),

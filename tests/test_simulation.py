@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,8 @@ def test_run_directory_contents(tmp_path):
     assert set(per_arch) == {"fedhe-cnn-0(width=0.125)", "mlp(hidden=[32, 16])"}
     summ = json.loads((root / "summary.json").read_text())
     assert summ["seed"] == 0 and summ["versions"]["torch"] and summ["machine"]["cpu_count"]
+    if (Path(__file__).resolve().parents[1] / ".git").exists():  # which code of a checkout made these numbers
+        assert isinstance(summ["edgefl_commit"], str) and len(summ["edgefl_commit"].split("-")[0]) >= 7
     assert summ["machine"]["torch_cpu_capability"] and "cpu" in summ["machine"]  # what decides the last digits
     assert summ["final_accuracy"]["overall"] == pytest.approx(sum(summ["final_accuracy"]["per_client"].values()) / 4)
     # the resolved config re-runs as is
