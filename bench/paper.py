@@ -288,7 +288,7 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
 
 
 def _run_forwarding_stops(cmd: list[str]) -> int:
-    """Run a cell's ``edgefl simulate`` and pass it each Ctrl-C or SIGTERM this driver gets, once: the
+    """Run a cell's ``edgefl simulate`` and pass it each Ctrl-C, SIGTERM or SIGHUP this driver gets, once: the
     first makes it finish its round and checkpoint, a second stops it at once. It runs in a session of
     its own, so a terminal's Ctrl-C reaches it only through here (not twice), and this driver waits for
     its checkpoint instead of dying first (subprocess.call kills its child on KeyboardInterrupt)."""
@@ -297,10 +297,10 @@ def _run_forwarding_stops(cmd: list[str]) -> int:
 
     def forward(signum: int, _frame: Any) -> None:
         stops.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signum)
+        if proc.poll() is None:  # a closed terminal (SIGHUP) stops it as a scheduler would: cleanly
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         code = proc.wait()
     finally:

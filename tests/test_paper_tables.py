@@ -168,7 +168,7 @@ def test_an_invalid_set_or_a_missing_gpu_is_said_once_before_any_cell_runs(tmp_p
     assert not (tmp_path / "t").exists()
 
 
-@pytest.mark.parametrize("whom", ["group", "driver"])
+@pytest.mark.parametrize("whom", ["group", "driver", "hangup"])
 def test_a_stopped_table_run_waits_for_its_cell_to_checkpoint(tmp_path, whom):
     """Ctrl-C at a terminal signals the driver and its cell together ("group"); a scheduler may signal
     the driver alone ("driver"). Either way the cell finishes its round and checkpoints, and the same
@@ -191,6 +191,8 @@ def test_a_stopped_table_run_waits_for_its_cell_to_checkpoint(tmp_path, whom):
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     if whom == "group":
         os.killpg(proc.pid, signal.SIGINT)
+    elif whom == "hangup":  # the terminal closed: the cell stops cleanly too, rather than run on unseen
+        proc.send_signal(signal.SIGHUP)
     else:
         proc.send_signal(signal.SIGINT)
     printed, _ = proc.communicate(timeout=240)
