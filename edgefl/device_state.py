@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from edgefl.errors import EdgeflError, PayloadError
 from edgefl.userdirs import check_writable
 from edgefl.safejson import loads
+from edgefl.transport.envelope import unpack
 
 STATE_JSON = "state.json"
 CARRY = "carry.safetensors"
@@ -179,7 +180,10 @@ class DeviceStateStore:
             tensors = load_file(str(self.directory / CARRY))
             reading = UPLOAD
             upload = (self.directory / UPLOAD).read_bytes()
-        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            # checked here, whole (magic, header, body digest): a damaged upload found only when the
+            # server's first message arrives would be blamed on that message, and the device stall
+            unpack(upload, len(upload))
+        except (OSError, ValueError, RuntimeError, SafetensorError, PayloadError) as exc:
             run = str(info.get("run"))[:64]
             self.lost = f"the state saved after round {info['round']} cannot be read ({reading}: {str(exc)[:120]})"
             self.set_aside(f"(after round {info['round']} of run {run}) cannot be read ({reading}: {str(exc)[:200]}){_LOST}")

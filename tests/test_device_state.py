@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
 
 from edgefl.device_state import CARRY, EXPORT, MODEL, OLD, STATE_JSON, UPLOAD, DeviceStateStore
 from edgefl.errors import EdgeflError
+from edgefl.transport.envelope import Envelope, pack
+
+
+#: the last upload a device keeps: a whole envelope, as it sent it (the store checks it on load)
+UPLOADED = pack(Envelope("upload", "fed", 2, "client-0", b"body", message_id="m-2", model_version=2))
 
 
 def _save(directory, run: str = "run-a", config: str = "a" * 64, device: str = "client-0", round_no: int = 2) -> DeviceStateStore:
     store = DeviceStateStore(directory, device, "fed", config)
-    store.save(round_no, run, {"w": torch.ones(2)}, b"upload bytes")
+    store.save(round_no, run, {"w": torch.ones(2)}, UPLOADED)
     return store
 
 
@@ -27,7 +33,7 @@ def _kept(directory) -> list:
 def test_state_of_the_same_config_is_loaded_and_nothing_is_moved(tmp_path):
     _save(tmp_path)
     round_no, run, tensors, upload = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load()
-    assert (round_no, run, upload) == (2, "run-a", b"upload bytes") and torch.equal(tensors["w"], torch.ones(2))
+    assert (round_no, run, upload) == (2, "run-a", UPLOADED) and torch.equal(tensors["w"], torch.ones(2))
     assert _kept(tmp_path) == []
 
 
@@ -41,7 +47,7 @@ def test_a_changed_config_starts_afresh_and_keeps_the_old_state_aside(tmp_path, 
     assert json.loads((kept / STATE_JSON).read_text())["config_sha256"] == "a" * 64
     assert not (tmp_path / STATE_JSON).exists()
     assert "config_sha256 differ" in caplog.text and str(kept) in caplog.text and "starts afresh" in caplog.text
-    store.save(1, "run-b", {"w": torch.zeros(2)}, b"new")  # the new config's rounds are saved as usual
+    store.save(1, "run-b", {"w": torch.zeros(2)}, UPLOADED)  # the new config's rounds are saved as usual
     assert store.load()[:2] == (1, "run-b") and len(_kept(tmp_path)) == 1
 
 
@@ -58,7 +64,7 @@ def test_a_new_run_keeps_the_old_runs_state_aside_when_it_saves_its_first_round(
     with caplog.at_level(logging.WARNING, logger="edgefl.device"):
         store.save(1, "run-b", {"w": torch.zeros(2)}, b"round 1 of run-b")
     (kept,) = _kept(tmp_path)
-    assert json.loads((kept / STATE_JSON).read_text())["run"] == "run-a" and (kept / UPLOAD).read_bytes() == b"upload bytes"
+    assert json.loads((kept / STATE_JSON).read_text())["run"] == "run-a" and (kept / UPLOAD).read_bytes() == UPLOADED
     assert json.loads((tmp_path / STATE_JSON).read_text())["run"] == "run-b"
     assert "another run (run-a, not run-b)" in caplog.text
     store.save(2, "run-b", {"w": torch.zeros(2)}, b"round 2 of run-b")  # later rounds of the same run overwrite as before
@@ -91,7 +97,7 @@ def test_the_same_run_continuing_overwrites_its_own_state(tmp_path):
     _save(tmp_path, run="run-a", round_no=3)
     store = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64)
     store.load()
-    store.save(4, "run-a", {"w": torch.zeros(2)}, b"round 4")
+    store.save(4, "run-a", {"w": torch.zeros(2)}, UPLOADED)
     assert _kept(tmp_path) == [] and store.load()[0] == 4
 
 
@@ -110,12 +116,14 @@ def test_state_of_another_device_is_refused_with_what_to_do(tmp_path):
     assert (tmp_path / STATE_JSON).exists() and _kept(tmp_path) == []  # nothing moved: it is client-1's
 
 
-@pytest.mark.parametrize("damage", ["carry", "state"])
+@pytest.mark.parametrize("damage", ["carry", "state", "upload"])
 def test_damaged_state_is_kept_aside_and_the_device_starts_afresh_instead_of_failing_at_every_restart(tmp_path, caplog, damage):
     _save(tmp_path)
     if damage == "carry":  # cut short (a power cut mid-write of the file system)
         data = (tmp_path / CARRY).read_bytes()
         (tmp_path / CARRY).write_bytes(data[: len(data) // 2])
+    elif damage == "upload":  # overwritten: found now, not blamed on the server's first message later
+        (tmp_path / UPLOAD).write_bytes(os.urandom(20))
     else:
         (tmp_path / STATE_JSON).write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="edgefl.device"):
@@ -127,6 +135,8 @@ def test_damaged_state_is_kept_aside_and_the_device_starts_afresh_instead_of_fai
     assert "rounds in it are lost" in caplog.text and "check the storage" in caplog.text
     if damage == "carry":  # state.json was read: the round and run it held are named
         assert "(after round 2 of run run-a) cannot be read (carry.safetensors: " in caplog.text
+    elif damage == "upload":
+        assert "(after round 2 of run run-a) cannot be read (upload.edfl: " in caplog.text
     else:  # the file is named whichever one was damaged
         assert STATE_JSON in caplog.text
 
