@@ -314,7 +314,7 @@ class _EchoedEvents(logging.Filter):
 
 
 @contextmanager
-def _events_printed_not_logged(kinds: tuple[str, ...] = ("rejected",)):
+def _events_printed_not_logged(kinds: tuple[str, ...] = ("rejected", "warning")):
     """While a fleet console prints these events, the server's log does not repeat them."""
     server_log = logging.getLogger("edgefl.server")
     echo = _EchoedEvents(kinds)
@@ -370,7 +370,7 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
         elif kind == "declined":
             console.print(f"  [yellow]{safe(info['device'])} declined[/]: {safe(info['reason'])}")
         elif kind == "warning":
-            console.print(f"  [yellow]{safe(info['device'])}[/]: {safe(info['reason'])}")
+            console.print(f"  [yellow]{safe(info['device'])}[/]: {safe(info['reason'], 700)}")  # whole: the reason is the point
         elif kind == "round":
             console.print(f"[bold]round {info['round']}/{total}[/]: {len(info['selected'])} devices selected")
         elif kind == "upload":

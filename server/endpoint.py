@@ -329,7 +329,8 @@ class ServerEndpoint:
                else "it had no saved state (started with --no-state, or with a new --state-dir)")
         text = (f"restarted from scratch in round {message.round} after taking part from round {first} ({why}): "
                 "the state it keeps between rounds starts over, and its accuracy may drop until it catches up")
-        log.warning("%s %s", printable(device, 64), text)
+        # marked as the echo of the "warning" event: a console that prints the event drops this line
+        log.warning("%s %s", printable(device, 64), text, extra={"edgefl_event": "warning"})
         self.on_event("warning", {"device": device, "reason": text})
 
     def _join(self, device: str, env: Envelope) -> None:
@@ -357,9 +358,10 @@ class ServerEndpoint:
                 return
             self.reply(device, env, "ack", status="accepted")
             if changed:
-                log.warning("%s enrolled again with other data (%s): a restart with new data, or a second process with the "
-                            "same --device-id (each device needs its own)", printable(device, 64), changed)
-                self.on_event("warning", {"device": device, "reason": f"enrolled again with other data ({changed})"})
+                text = (f"enrolled again with other data ({changed}): a restart with new data, or a second process with the "
+                        "same --device-id (each device needs its own)")
+                log.warning("%s %s", printable(device, 64), text, extra={"edgefl_event": "warning"})
+                self.on_event("warning", {"device": device, "reason": text})
             self.on_event("enrolled", {"device": device, **self.enrolment.devices[device].to_dict()})
             if self.listener is not None:
                 # a device that restarted mid-round joins again before it listens for rounds, so the

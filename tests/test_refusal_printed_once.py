@@ -42,3 +42,28 @@ def test_the_fleet_console_prints_a_refusal_once_and_keeps_other_warnings(caplog
     with caplog.at_level(logging.WARNING, logger="edgefl.server"):  # (another test may have raised the logger's level)
         endpoint.count("client-0", "second refusal")  # the console is gone: the log has it again
     assert [r.getMessage() for r in caplog.records] == ["rejected from client-0: second refusal"]
+
+
+def test_a_device_restarted_from_scratch_is_said_once_and_whole():
+    """The server's warning about a device that lost its state (an outside trial saw it twice, the
+    second copy cut short): once, as the event line, with its reason whole."""
+    from edgefl.messages import Message
+
+    buffer = io.StringIO()
+    endpoint = _endpoint("restart-once", _fleet_printer(Console(file=buffer, width=2000, color_system=None), 3, None, 1))
+    lost = "the state saved after round 18 cannot be read (carry.safetensors: Error while deserializing header: invalid header length)"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    server_log = logging.getLogger("edgefl.server")
+    server_log.addHandler(handler)
+    try:
+        with _events_printed_not_logged():
+            endpoint._note_start("client-0", Message("weights", 1, "client-0", {}, {"started_from": "scratch"}))
+            endpoint._note_start("client-0", Message("weights", 19, "client-0", {}, {"started_from": "scratch", "state_lost": lost}))
+    finally:
+        server_log.removeHandler(handler)
+    printed = buffer.getvalue()
+    assert printed.count("restarted from scratch in round 19 after taking part from round 1") == 1
+    assert lost in printed and "catches up" in printed  # not cut short
+    assert not [r for r in records if "restarted from scratch" in r.getMessage()]
