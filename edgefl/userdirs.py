@@ -32,6 +32,10 @@ def check_writable(folder: Path, what: str, hint: str) -> None:
     folder in it) with ``hint``: said before any work, not after it."""
     from edgefl.errors import EdgeflError
 
+    clash = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if clash is not None:  # mkdir would say "File exists" (or "Not a directory"): say which file is in the way
+        where = "is a file, not a folder" if clash == folder else f"is under {clash}, which is a file, not a folder"
+        raise EdgeflError(f"cannot write {what} {folder}: it {where}", hint=hint)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".edgefl-write-check-{os.getpid()}"

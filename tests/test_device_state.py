@@ -208,8 +208,10 @@ def test_a_state_folder_that_cannot_be_written_is_refused_before_the_device_join
     assert "--no-state" in caught.value.hint and "writable --state-dir" in caught.value.hint
     from edgefl.device_state import check_state_dir  # a device with its own data checks before it has its task
 
-    with pytest.raises(EdgeflError, match="cannot write the device state folder"):
+    with pytest.raises(EdgeflError, match="cannot write the device state folder .*: it is under .*a-file, which is a file"):
         check_state_dir(tmp_path / "a-file" / "state")
+    with pytest.raises(EdgeflError, match="it is a file, not a folder"):  # the file itself given as the folder
+        check_state_dir(tmp_path / "a-file")
     DeviceStateStore(tmp_path / "new" / "state", "client-0", "fed", "a" * 64).check_writable()  # made, and left empty
     assert list((tmp_path / "new" / "state").iterdir()) == []
     # the command: refused at once with the hint (exit 2), no broker needed to find out
