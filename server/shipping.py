@@ -123,9 +123,12 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
             acc = device_accuracy.get(best.client_id)
             on = _judged_on(cfg, best, shared_test_samples, (validation_samples or {}).get(best.client_id))
             judged = (f"accuracy {acc:.4f} on {on} in the last evaluation" if acc is not None else "no accuracy reported (most samples)")
+            # counted among those that reported: a device that declined or never joined was no candidate
+            judged_devices = sum(1 for m in members if m.client_id in device_accuracy) or len(members)
+            among = f"the {judged_devices} of {len(members)} device(s) training {arch} that reported" if judged_devices < len(members) \
+                else f"the {len(members)} device(s) training {arch}"
             entry: dict[str, Any] = {"device": best.client_id, "accuracy": acc, "judged_on": on if acc is not None else None,
-                                     "why": f"{cfg.method.name} keeps a model per device: {best.client_id}'s, the best of the {len(members)} "
-                                            f"device(s) training {arch} ({judged})"}
+                                     "why": f"{cfg.method.name} keeps a model per device: {best.client_id}'s, the best of {among} ({judged})"}
             if device_models is not None and best.client_id in device_models:
                 name = f"ship-{safe_name(arch)}"
                 run_dir.save_model(name, device_models[best.client_id], {**device_model_meta(cfg, ds, best, "ship"), "accuracy": acc})

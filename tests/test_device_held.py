@@ -145,6 +145,8 @@ def test_devices_with_their_own_image_folders_finish_a_run_and_a_stranger_class_
         plan = json.loads((run / "ship.json").read_text())  # a best device names the count it was judged on
         for entry in plan["models"].values():
             assert entry["judged_on"] == f"its {by_id[entry['device']]['num_test']} validation samples"
+        # client-3 declined: no candidate for cnn-small's pick, and not counted as one
+        assert "the best of the 1 of 2 device(s) training cnn-small that reported" in plan["models"]["cnn-small"]["why"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["failed_rounds"] == []
     assert any("declined" in reason for reason in json.dumps(summary["rejections"]).split('"'))
