@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from edgefl.algorithms import ClientHalf, ClientSetup
-from edgefl.errors import DataError, EdgeflError, PayloadError
+from edgefl.errors import ConfigError, DataError, EdgeflError, PayloadError
 from edgefl.messages import DEFAULT_MAX_BYTES
 from edgefl.seeding import GLOBAL_RNG_LOCK, derive_seed
 from edgefl.task import Task, parse_task
@@ -183,7 +183,11 @@ def join_run(transport: DeviceTransport, device: str, federation: str, data: str
         raise Declined(f"{device} cannot take part: {exc.message}", hint=exc.hint) from None
     train_idx, val_idx = split_validation(task, len(held.y))
     t, v = torch.from_numpy(train_idx), torch.from_numpy(val_idx)
-    client = build_client_from_task(task, held.x[t], held.y[t], held.x[v], held.y[v])
+    try:
+        client = build_client_from_task(task, held.x[t], held.y[t], held.x[v], held.y[v])
+    except ConfigError as exc:  # a task this device cannot train (the method refuses its settings): the server hears why
+        joiner.confirm("decline", task, min(task.network.ack_timeout_s * 2, 30.0), reason=f"the task: {exc.message}"[:500])
+        raise Declined(f"{device} cannot take part: the task it was given: {exc.message}", hint=exc.hint) from None
     counts = torch.bincount(held.y, minlength=len(d.class_names)).tolist()
     reply = joiner.confirm("ready", task, task.network.round_deadline_s, samples=len(held.y), validation=len(val_idx),
                            class_counts=counts, source=held.source[:200])

@@ -16,6 +16,7 @@ Every field is bounded and checked; nothing a device says here can stop the serv
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -83,6 +84,25 @@ class Enrolment:
         self.federation = federation
         self.devices: dict[str, Enrolled] = {}
         self._tasks: dict[str, Task] = {}
+        self.check_tasks()
+
+    def check_tasks(self) -> None:
+        """Build each distinct task's client half as a device would, on a few of the server's own
+        samples: a task every device would refuse (a method option its training settings contradict)
+        is refused here, at the server's start, as `edgefl simulate` refuses the same config, rather
+        than by each device once the run waits for them."""
+        from edgefl.enrol import build_client_from_task
+
+        ds = self.parts.ds
+        x, y = ds.model_input(ds.x_test[:8]), ds.y_test[:8]
+        seen: set[str] = set()
+        for slot in self.parts.slots:
+            task = task_for(self.cfg, self.parts, slot, "start-check", self.federation)
+            key = json.dumps({k: v for k, v in task.to_info().items() if k != "device"}, sort_keys=True, default=str)
+            if key in seen or list(x.shape[1:]) != list(task.data.input_shape):  # (a view's shape: no sample of it here)
+                continue
+            seen.add(key)
+            build_client_from_task(task, x[:4], y[:4], x[4:], y[4:])  # raises the method's ConfigError with its hint
 
     # --- state ------------------------------------------------------------------------------------
     def ready(self) -> list[str]:

@@ -384,3 +384,36 @@ def test_a_resumed_server_waits_for_its_ready_devices_to_be_back_online():
         endpoint.pump(0.1)
     assert endpoint.joined() == 1 and endpoint.ready_online() == ["client-1"]
     device.close()
+
+
+def test_a_run_every_device_declines_ends_at_once_with_their_reasons(tmp_path):
+    """An outside trial saw a server play all its rounds with no device ('no quorum' 150 times) after
+    every device had declined: it now ends before round 1, naming why each declined."""
+    from edgefl.data import load_dataset
+
+    ds = load_dataset("fashion-mnist")
+    data = {}
+    for device, offset in (("client-0", 0), ("client-1", 50)):
+        data[device] = tmp_path / "devices" / device
+        write_image_folder(data[device], ds, [0, 1], 5, offset, "unicorn")
+    config = _config(tmp_path, "fedavg", [{"model": "lenet5", "count": 2}], "all-declined", dataset="fashion-mnist", test_samples=100)
+    server, outcome, run = _run_fleet(tmp_path, config, "all-declined", data)
+    said = " ".join(server.stderr.read().split())
+    assert server.returncode != 0 and "every device declined the run" in said and "unicorn" in said, said[-2000:]
+    assert "client-0:" in said and "client-1:" in said  # each with its reason
+    assert not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip()  # no round was played
+    assert all(code == 2 for code, _ in outcome.values())
+
+
+def test_a_task_every_device_would_refuse_is_refused_when_the_server_starts(tmp_path):
+    """CHFL with two local epochs a round: `edgefl simulate` refuses it, and so does the server of a
+    fleet whose devices hold their data, at once, not each device after the run began waiting."""
+    groups = [{"model": "mlp", "count": 2, "options": {"hidden": [16], "feature_dim": 64}}]
+    path = _config(tmp_path, "chfl", groups, "two-epochs", dataset="breast-cancer")
+    text = path.read_text().replace("epochs = 1", "epochs = 2")
+    assert "epochs = 2" in text
+    path.write_text(text)
+    res = subprocess.run([sys.executable, "-m", "edgefl", "server", "--broker", "mqtt://127.0.0.1:9", "--config", str(path),
+                          "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "CHFL aggregates heads after every local epoch" in res.stderr and "train.epochs = 1" in res.stderr
+    assert not (tmp_path / "run").exists()

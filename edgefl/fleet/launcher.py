@@ -42,6 +42,7 @@ from edgefl.userdirs import state_home
 
 if TYPE_CHECKING:
     from edgefl.device import DeviceLoop
+    from edgefl.server.session import RunSession
     from edgefl.task import Task
 
 log = logging.getLogger("edgefl.device")
@@ -244,11 +245,29 @@ def serve(cfg: RunConfig, broker: str, run_dir: RunDir | None, console: Console 
     try:
         session.policy.wait_for_devices(join_timeout_s if join_timeout_s is not None else cfg.network.round_deadline_s,
                                         should_stop)  # Ctrl-C while waiting: stop waiting, end before round 1
+        _refuse_if_every_device_declined(session)
         summary = session.run(first, should_stop=should_stop)
     finally:
         transport.close()
     summary["history"] = session.policy.history
     return summary
+
+
+def _refuse_if_every_device_declined(session: RunSession) -> None:
+    """A run whose every device declined cannot train: said with their reasons, before rounds that
+    would each fail for want of a quorum."""
+    enrolment = session.enrolment
+    if enrolment is None:
+        return
+    declined = enrolment.declined()
+    if not declined or len(declined) < len(session.endpoint.device_ids):
+        return
+    reasons: dict[str, list[str]] = {}
+    for device in declined:
+        reasons.setdefault(enrolment.devices[device].reason, []).append(device)
+    said = "; ".join(f"{', '.join(devices[:5])}{' ...' if len(devices) > 5 else ''}: {reason}" for reason, devices in reasons.items())
+    raise EdgeflError(f"every device declined the run, so no round can train ({said[:1500]})",
+                      hint="fix what the reasons name (the config, or the devices' data) and start the server and devices again")
 
 
 def run_fleet(cfg: RunConfig, config_path: Path | None, run_dir: RunDir | None, console: Console | None = None,
