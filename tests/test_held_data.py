@@ -286,7 +286,11 @@ def test_csv_refusals_name_the_column_and_row(tmp_path, cancer):
     write_csv(tmp_path / "missing.csv", columns[:at] + columns[at + 1:], [r[:at] + r[at + 1:] for r in rows])
     with pytest.raises(DataError, match=r"missing\.csv lacks the task's column\(s\) 'mean radius'") as exc:
         load_held_data(tmp_path / "missing.csv", spec)
-    assert "add or rename them" in exc.value.hint
+    assert "add or rename them" in exc.value.hint and "rename" not in exc.value.message  # nothing close to suggest
+    # a misspelt column is named as the one to rename (an outside trial got only the task's 30 names)
+    write_csv(tmp_path / "misspelt.csv", [c if c != "mean radius" else "mean raduis" for c in columns], rows)
+    with pytest.raises(DataError, match=r"lacks the task's column\(s\) 'mean radius'; rename 'mean raduis' to 'mean radius'\?"):
+        load_held_data(tmp_path / "misspelt.csv", spec)
 
     texture = columns.index("mean texture")
     bad = [list(r) for r in rows]
@@ -306,8 +310,9 @@ def test_csv_refusals_name_the_column_and_row(tmp_path, cancer):
     assert "NaN and infinite" in exc.value.hint
 
     write_csv(tmp_path / "nolabel.csv", [c if c != "label" else "diagnosis" for c in columns], rows)
-    with pytest.raises(DataError, match=r"has no column 'label'; its columns: id, mean radius, mean texture"):
+    with pytest.raises(DataError, match=r"has no column 'label'; its columns: id, mean radius, mean texture.*\(is 'diagnosis' it\?\)") as exc:
         load_held_data(tmp_path / "nolabel.csv", spec)
+    assert "data.label_column" in exc.value.hint
     write_csv(tmp_path / "unknown.csv", columns, [*rows[:5], [*rows[5][:11], "benign-ish", *rows[5][12:]]])
     with pytest.raises(DataError, match=r"labels the federation's task does not know: 'benign-ish' \(the task's classes: malignant, benign\)") as exc:
         load_held_data(tmp_path / "unknown.csv", spec)

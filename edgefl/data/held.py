@@ -663,7 +663,10 @@ def _select_columns(columns: list[str], spec: DataSpec, where: str) -> tuple[int
     hits = [i for i, c in enumerate(columns) if c == label]
     if len(hits) != 1:
         found = f"has no column {label!r}; its columns: {_listing(columns)}" if not hits else f"has {len(hits)} columns named {label!r}"
-        raise DataError(f"{where} {found}", hint=f"the task reads each row's class from the column {label!r}: name that column so")
+        guess = _close(label, [c for c in columns if c not in (spec.feature_names or ())], _LABEL_NAMES)
+        raise DataError(f"{where} {found}" + (f" (is {guess!r} it?)" if guess and not hits else ""),
+                        hint=f"the task reads each row's class from the column {label!r}: name that column so "
+                             "(or the server's data.label_column names yours)")
     features = spec.input_shape[0]
     if spec.feature_names is None:
         chosen = [i for i in range(len(columns)) if i != hits[0]]
@@ -677,7 +680,10 @@ def _select_columns(columns: list[str], spec: DataSpec, where: str) -> tuple[int
         index.setdefault(c, []).append(i)
     missing = [f for f in spec.feature_names if f not in index]
     if missing:
-        raise DataError(f"{where} lacks the task's column(s) {_listing([repr(str(m)) for m in missing], _SHOWN)}",
+        spare = [c for c in columns if c not in spec.feature_names and c != label]
+        renames = [(m, g) for m in missing if (g := _close(m, spare))]
+        said = f"; rename {_listing([f'{g!r} to {m!r}' for m, g in renames], _SHOWN)}?" if renames else ""
+        raise DataError(f"{where} lacks the task's column(s) {_listing([repr(str(m)) for m in missing], _SHOWN)}{said}",
                         hint=f"the task reads these {features} columns by name: {_listing(spec.feature_names)}; add or rename them")
     twice = [f for f in spec.feature_names if len(index[f]) > 1]
     if twice:
@@ -689,6 +695,20 @@ def _select_columns(columns: list[str], spec: DataSpec, where: str) -> tuple[int
     if chosen != sorted(chosen):
         notes.append("took the feature columns in the task's order")
     return hits[0], chosen, notes
+
+
+#: what a table's class column is often called instead (scikit-learn's frames call it "target")
+_LABEL_NAMES = ("target", "class", "y", "diagnosis", "labels", "Label")
+
+
+def _close(name: str, columns: Sequence[str], usual: Iterable[str] = ()) -> str | None:
+    """The column ``name`` was probably meant to be: a near spelling, else one of the ``usual`` names."""
+    import difflib
+
+    near = difflib.get_close_matches(name, list(columns), n=1, cutoff=0.75)
+    if near:
+        return near[0]
+    return next((c for c in columns if c in set(usual)), None)
 
 
 def _number(text: str, where: str) -> float:
