@@ -259,7 +259,7 @@ def _stages_plot(run: RunDir, metrics: list[dict[str, Any]], out_dir: Path, plt,
             reasons.append(f"and {len(failed) - 4} more failed rounds")
         ax.text(0, -0.18, "\n".join(reasons), transform=ax.transAxes, va="top", fontsize=8, color="#b4321e",
                 parse_math=False)  # a reason may quote a device id: "$" is no mathtext here
-    secured = sum(1 for m in metrics if secagg_facts(m).get("secured"))
+    secured = sum(1 for m in metrics if was_secured(m))
     note = f"secure aggregation: {secured} of {len(metrics)} rounds secured" if any(secagg_facts(m) for m in metrics) else ""
     ax.set(xlabel="round", ylabel="devices dropped out",
            title="\n".join(["Devices that dropped out of a round, by stage", *([note] if note else []), run_title(run)]))
@@ -443,6 +443,12 @@ def secagg_facts(record: dict[str, Any]) -> dict[str, Any]:
     return secagg if isinstance(secagg, dict) else {}
 
 
+def was_secured(record: dict[str, Any]) -> bool:
+    """Whether the round's aggregate was secured: a round that failed (its sum never released) was not,
+    whatever its key exchange did."""
+    return bool(secagg_facts(record).get("secured")) and record.get("outcome") != "failed"
+
+
 def dropped_after_sharing(record: dict[str, Any]) -> list[str]:
     """Devices of a secured round that shared their keys but whose masked upload never came."""
     groups = secagg_facts(record).get("groups") or {}
@@ -503,7 +509,7 @@ def stage_notes(record: dict[str, Any], show: int = 8) -> list[str]:
     dropped out of which stage (``dropped in secagg-unmask: client-7``), who shared keys but sent
     no masked upload, and why the round failed. Empty for a round without them. Not escaped: ids
     and reasons come from the network, the caller escapes them for where it prints."""
-    notes = ["secured"] if secagg_facts(record).get("secured") else []
+    notes = ["secured"] if was_secured(record) else []
     notes += privacy_notes(record)
     notes += [f"dropped in {name}: {few(ids, show)}" for name, ids in stage_drops(record).items()]
     after = dropped_after_sharing(record)
@@ -534,7 +540,7 @@ def rounds_table(run: RunDir) -> Table | None:
         return None
     eventful = [m for m in metrics if m.get("outcome") == "failed" or m.get("failure") or stage_drops(m) or dropped_after_sharing(m)]
     rows = metrics if len(metrics) <= ROUNDS_TABLE_MAX else eventful
-    secured = sum(1 for m in metrics if secagg_facts(m).get("secured"))
+    secured = sum(1 for m in metrics if was_secured(m))
     title = f"rounds - {secured} of {len(metrics)} secured" if any(secagg_facts(m) for m in metrics) else "rounds"
     if rows is eventful and len(metrics) > ROUNDS_TABLE_MAX:
         title += f"; the {len(eventful)} with drop-outs or failures"
@@ -551,7 +557,7 @@ def rounds_table(run: RunDir) -> Table | None:
         outcome = str(m.get("outcome"))
         table.add_row(str(m.get("round")), f"[red]{console_text(outcome)}[/]" if outcome == "failed" else console_text(outcome),
                       f"{len(m.get('reported') or [])}/{len(m.get('selected') or [])}",
-                      ("[green]yes[/]" if facts.get("secured") else "no") if facts else "",
+                      ("[green]yes[/]" if was_secured(m) else "no") if facts else "",
                       "\n".join(console_text(d, 1000) for d in drops), console_text(m.get("failure") or "", 1000))
     return table
 

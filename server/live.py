@@ -155,7 +155,7 @@ class LiveState:
                 if info.get("failure"):
                     current["failure"] = info["failure"]
                 secagg = (info.get("filters") or {}).get("secagg") or {}
-                if secagg.get("secured"):
+                if secagg.get("secured") and info.get("outcome") != "failed":  # a failed round released no sum
                     current["secured"] = True
             force = True
         elif kind in ("joined", "evaluating"):

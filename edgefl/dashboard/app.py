@@ -78,7 +78,7 @@ def _stage_facts(m: dict[str, Any]) -> dict[str, Any]:
                          for name, s in m["stages"].items() if isinstance(s, dict)}
     if m.get("failure"):
         out["failure"] = str(m["failure"])
-    from edgefl.report import privacy_spent
+    from edgefl.report import privacy_spent, was_secured
 
     spent = privacy_spent(m)
     if spent:
@@ -86,7 +86,7 @@ def _stage_facts(m: dict[str, Any]) -> dict[str, Any]:
     secagg = (m.get("filters") or {}).get("secagg") if isinstance(m.get("filters"), dict) else None
     if isinstance(secagg, dict):
         groups = {str(name): g for name, g in (secagg.get("groups") or {}).items() if isinstance(g, dict)}
-        out["secured"] = bool(secagg.get("secured"))
+        out["secured"] = was_secured(m)  # a failed round released no sum: not secured
         out["secagg"] = {"groups": {name: {"keys": g.get("keys"), "shared": g.get("shared"), "summed": g.get("summed"),
                                            "threshold": g.get("threshold"), "neighbours": g.get("neighbours"),
                                            "dropped_after_sharing": _ids(g.get("dropped_after_sharing"))}
