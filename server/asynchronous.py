@@ -195,8 +195,10 @@ class AsyncUpdates(RoundPolicy):
 
     mode_info = {"mode": "async"}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, collectors: list | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: the run's filters: what each reports in a record (local DP's epsilon so far), as a round's record has it
+        self.collectors = list(collectors or [])
         self.settings = self.cfg.asynchronous
         weight_method = "weights" in self.spec.uploads
         self.aggregator = AsyncAggregator(self.server, self.settings, weight_method, len(self.endpoint.device_ids))
@@ -376,6 +378,9 @@ class AsyncUpdates(RoundPolicy):
             "server": self.aggregator.last_facts,
             **timing_fields(train_s, eval_s, train_s + eval_s),
         }
+        facts = {type(c).name: f for c in self.collectors if (f := c.round_facts(version))}
+        if facts:
+            record["filters"] = facts
         if self.failure is not None:
             record.update(outcome="failed", failure=self.failure)
         self.window = Window(updates_from=version)

@@ -529,7 +529,8 @@ def make_policy(cfg: RunConfig, spec, server, endpoint: ServerEndpoint, evaluato
             names = ", ".join(sorted({s.name for s in stages}))
             raise ConfigError(f"stages ({names}) run within a round: an asynchronous run has none",
                               hint='use mode = "sync" with this filter or method')
-        return AsyncUpdates(cfg, spec, server, endpoint, evaluator, clock, deadline_s=deadline_s, profiles=profiles, on_event=on_event)
+        return AsyncUpdates(cfg, spec, server, endpoint, evaluator, clock, deadline_s=deadline_s, profiles=profiles, on_event=on_event,
+                            collectors=collectors)
     return SyncRounds(cfg, spec, server, endpoint, evaluator, clock, deadline_s=deadline_s, profiles=profiles, on_event=on_event,
                       stages=stages, collectors=collectors)
 

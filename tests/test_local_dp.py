@@ -151,3 +151,25 @@ def test_a_fleet_writes_the_simulations_records_and_the_servers_accounting_survi
     again = RunSession(build_run(cfg), None, "local-dp-resume", runner="fleet", run_dir=run, deadline_s=60)
     with pytest.raises(ConfigError, match="accounting must go on"):
         again.resume()
+
+
+def test_an_asynchronous_run_records_each_devices_epsilon_counting_every_upload(tmp_path):
+    """An outside trial found no epsilon in an asynchronous run's records (docs/privacy.md promises it
+    in every record). Each upload is one release, also two uploads of one model version (a device
+    trains again while the buffer waits), which a count by round would have taken for one."""
+    from edgefl.sim import Simulation
+    from tests.test_resume import _async_config
+
+    cfg = _async_config("fedhe", rounds=12, filters=[{"name": "local-dp", "noise_multiplier": 0.5}], buffer_size=3)
+    run = RunDir.create(tmp_path / "async", cfg.name, cfg.seed)
+    Simulation(cfg, run, show_progress=False).run()
+    records = _records(tmp_path / "async")
+    assert records and all("local-dp" in r["filters"] for r in records)
+    reports: dict[str, int] = {}
+    for record in records:
+        for device, n in record["reports_per_client"].items():
+            reports[device] = reports.get(device, 0) + n
+        spent = record["filters"]["local-dp"]["epsilon_per_device"]
+        for device, n in reports.items():  # at least every accepted upload (a stale one refused was released too)
+            assert spent[device] >= round(Gaussian(0.5, 1.0, n).epsilon(1e-5), 6) - 1e-6  # (recorded to 6 places)
+    assert any(n > 1 for n in reports.values())

@@ -57,6 +57,10 @@ class LocalDPOptions(FilterOptions):
         return self
 
 
+#: upload ids kept per device to tell a resend from a new release (a device resends its last uploads only)
+RECENT_IDS = 4
+
+
 class LocalDP(Filter):
     name = "local-dp"
     Options = LocalDPOptions
@@ -65,7 +69,8 @@ class LocalDP(Filter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head: dict[str, torch.Tensor] | None = None  # CHFL: the head the device downloaded
-        self._releases: dict[str, set[int]] = {}  # server: device -> the rounds it released noised knowledge
+        self._releases: dict[str, int] = {}  # server: device -> the noised uploads it released
+        self._recent: dict[str, list[str]] = {}  # server: device -> its last upload ids (a resend is no new release)
         if self.options.noise_multiplier is None:  # filled in from target_epsilon by RunConfig.filter_chain()
             raise ValueError("local-dp: target_epsilon without noise_multiplier needs the run's rounds: build the chain from "
                              "RunConfig.filter_chain()")
@@ -156,24 +161,32 @@ class LocalDP(Filter):
         info = message.meta.get(META)
         if info != {"noised": True} and ".secagg/masked" not in message.tensors:
             raise PayloadError("local-dp: this run's knowledge uploads are noised on the device (is it running the run's [[filters]]?)")
-        self._releases.setdefault(message.sender, set()).add(message.round)  # a resend is the same release
+        # one release per upload: a resend is the same upload (its id), while an asynchronous device may
+        # send two uploads of one model version (the buffer not yet full), each noised and each counted
+        recent = self._recent.setdefault(message.sender, [])
+        if message.message_id not in recent:
+            self._releases[message.sender] = self._releases.get(message.sender, 0) + 1
+            recent[:] = [*recent[-(RECENT_IDS - 1):], message.message_id]
         return Message(message.kind, message.round, message.sender, message.tensors,
                        {k: v for k, v in message.meta.items() if k != META}, message.message_id)
 
     def server_state(self) -> dict[str, Any]:
-        return {"releases": {d: sorted(r) for d, r in self._releases.items()}}
+        return {"releases": dict(sorted(self._releases.items())), "recent": {d: list(r) for d, r in sorted(self._recent.items())}}
 
     def load_server_state(self, state: dict[str, Any]) -> None:
         releases = state.get("releases") if isinstance(state, dict) else None
         if not isinstance(releases, dict):
             raise PayloadError("local-dp: the saved state holds no releases")
-        self._releases = {str(d): {int(r) for r in rounds if isinstance(r, int) and not isinstance(r, bool)}
-                          for d, rounds in releases.items() if isinstance(rounds, list)}
+        # counts; a checkpoint of an older version holds each device's rounds, one release each
+        self._releases = {str(d): (n if isinstance(n, int) else len(n)) for d, n in releases.items()
+                          if (isinstance(n, int) and not isinstance(n, bool) and n >= 0) or isinstance(n, list)}
+        recent = state.get("recent") if isinstance(state.get("recent"), dict) else {}
+        self._recent = {str(d): [str(i)[:64] for i in ids][-RECENT_IDS:] for d, ids in recent.items() if isinstance(ids, list)}
 
     def round_facts(self, round_no: int) -> dict[str, Any]:
         """Each device's epsilon so far (the rounds it released noised knowledge), and the largest."""
         o = self.options
-        per_device = {d: Gaussian(o.noise_multiplier, 1.0, len(r)).epsilon(o.delta) for d, r in sorted(self._releases.items())}
+        per_device = {d: Gaussian(o.noise_multiplier, 1.0, n).epsilon(o.delta) for d, n in sorted(self._releases.items())}
         finite = [e for e in per_device.values() if math.isfinite(e)]
         return {"epsilon_max": round(max(finite), 6) if finite else None, "delta": o.delta, "noise_multiplier": o.noise_multiplier,
                 "clip": o.clip, "epsilon_per_device": {d: (round(e, 6) if math.isfinite(e) else None) for d, e in per_device.items()}}
