@@ -385,6 +385,14 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
             console.print(f"  round {info['round']} stage {safe(info['stage'])}: {info['asked']} devices asked")
         elif kind == "stage_failed":
             console.print(f"  [red]round {info['round']} failed in stage {safe(info['stage'])}[/]")
+        elif kind == "closed" and info.get("mode") == "async":  # no rounds: a record after some server updates
+            acc = info["accuracy"]
+            reporters = info.get("reports_per_client") or {}
+            console.print(f"update {info['round']}/{total}: {info.get('reports', 0)} reports from {len(reporters)} devices"
+                          + (f" ({safe(_few(sorted(reporters)), 1000)})" if reporters and per_device else "")
+                          + (f", acc {acc['overall']:.4f}" if acc and acc.get("overall") is not None else "")
+                          + f", {info['round_time_s']:.1f}s"
+                          + "".join(f", {safe(note, 1000)}" for note in stage_notes(info)))
         elif kind == "closed":
             acc = info["accuracy"]
             console.print(f"round {info['round']} {info['outcome']}: {len(info['reported'])}/{len(info['selected'])} reported"

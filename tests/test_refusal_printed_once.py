@@ -67,3 +67,15 @@ def test_a_device_restarted_from_scratch_is_said_once_and_whole():
     assert printed.count("restarted from scratch in round 19 after taking part from round 1") == 1
     assert lost in printed and "catches up" in printed  # not cut short
     assert not [r for r in records if "restarted from scratch" in r.getMessage()]
+
+
+def test_an_asynchronous_record_is_printed_as_updates_with_who_reported():
+    """An outside trial read 'round 3 async: 1/0 reported' (an asynchronous run selects nobody): the
+    line says updates, the reports and their devices, and local DP's epsilon as a round's line does."""
+    buffer = io.StringIO()
+    printer = _fleet_printer(Console(file=buffer, width=500, color_system=None), 12, None, 3)
+    printer("closed", {"round": 3, "mode": "async", "outcome": "async", "reports": 3, "reports_per_client": {"client-0": 2, "client-2": 1},
+                       "selected": [], "reported": ["client-0", "client-2"], "missing": [], "accuracy": {"overall": 0.5},
+                       "round_time_s": 1.25, "filters": {"local-dp": {"epsilon_max": 5.4, "delta": 1e-5}}})
+    line = buffer.getvalue().strip()
+    assert line == "update 3/12: 3 reports from 2 devices (client-0, client-2), acc 0.5000, 1.2s, local-dp epsilon 5.4 (delta 1e-05)", line
