@@ -612,7 +612,7 @@ def client(
         results = run_device_held(device_id, broker, fed, data, loader=loader, profile=raw_profile, timeout_s=timeout, username=user,
                                   password=password, ca_file=str(ca_file) if ca_file else None,
                                   state_dir=state_dir if keep_state else None, say=lambda text: err.print(text, markup=False, highlight=False),
-                                  broker_wait_s=broker_wait, verifier=verifier)
+                                  broker_wait_s=broker_wait, verifier=verifier, progress=_device_progress)
         err.print(f"{device_id}: {len(results)} rounds served")
         return
     from edgefl.config import load_config
@@ -625,8 +625,15 @@ def client(
     if keep_state and state_dir is None:
         state_dir = device_state_dir(federation_of(cfg), device_id)
     results = run_device(cfg, device_id, broker, timeout, user, password,
-                         str(ca_file) if ca_file else None, state_dir if keep_state else None, broker_wait_s=broker_wait, verifier=verifier)
+                         str(ca_file) if ca_file else None, state_dir if keep_state else None, broker_wait_s=broker_wait, verifier=verifier,
+                         progress=_device_progress)
     err.print(f"{device_id}: {len(results)} rounds served")
+
+
+def _device_progress(line: str) -> None:
+    """A device's line a round (its journal under systemd): ids come from the config, statuses from
+    the server, both printable-escaped by the device loop."""
+    err.print(line, markup=False, highlight=False)
 
 
 @app.command()

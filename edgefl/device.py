@@ -106,6 +106,8 @@ class DeviceLoop:
         self.finished = False
         self.results: dict[int, dict[str, Any]] = {}
         self.last_work: WorkDone | None = None
+        #: told a line for each upload the server acknowledged (a device's journal shows every round); None: quiet
+        self.on_answer: Callable[[str], None] | None = None
         self.state = state
         self.resumed_from: int | None = None  # the round whose saved state this loop continued from
         #: whether an upload said where this device started from (a first upload from scratch says so,
@@ -462,6 +464,10 @@ class DeviceLoop:
         if reply.type == "nack":
             log.warning("%s: round %d upload refused: %s", self.device, upload.round, status)
         self.results[upload.round] = {"reply": reply.type, "status": status}
+        if self.on_answer is not None and reply.type == "ack":
+            work = self.last_work if self.last_work is not None and self.last_work.round == upload.round else None
+            trained = f", trained on {work.samples} samples" if work is not None and work.samples else ""
+            self.on_answer(f"{self.device}: round {upload.round}: upload {printable(status, 64)}{trained}")
 
     def tick(self) -> None:
         """Resend every upload left unanswered past its wait, doubling the wait (at most 120 s):

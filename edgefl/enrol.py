@@ -104,8 +104,9 @@ class Joiner:
             left = math.inf if timeout_s is None else timeout_s - (self.transport.now() - started)
             reply = self._reply(asked, max(min(wait, left), 0.0), ("task", "nack"))  # no wait past --timeout
             if reply is None:
-                if wait >= 8:
-                    self.say(f"{self.device}: no answer from the server of federation {self.federation!r} yet; asking again")
+                if wait >= 8:  # a server that is up but under another federation never answers: say what to check
+                    self.say(f"{self.device}: no answer from the server of federation {self.federation!r} yet; asking again "
+                             "(is the server up, and is --federation its network.federation?)")
                 wait = min(wait * 2, HELLO_MAX_WAIT_S)
                 continue
             if reply.type == "nack":

@@ -84,6 +84,7 @@ def test_a_device_killed_mid_round_resumes_from_its_saved_state_and_the_run_ends
     assert "error" not in results, results.get("error")
     assert set(codes.values()) == {0}, codes
     assert "continuing from the state it saved after round" in logs["client-0"].read_text()
+    assert "client-1: round 3: upload accepted" in logs["client-1"].read_text()  # the device's line a round
     summary = results["summary"]
     assert [h["outcome"] for h in summary["history"]] == ["complete"] * 3
     fault_free = Simulation(cfg, show_progress=False).run()  # a fleet equals its simulation bit for bit (test_fleet)

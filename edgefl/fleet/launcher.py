@@ -92,9 +92,10 @@ def connect_retrying(connect: Callable[[], T], wait_s: float, say: Callable[[str
 
 def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | None = None,
                username: str | None = None, password: str | None = None, ca_file: str | None = None,
-               state_dir: Path | None = None, broker_wait_s: float = 0.0, verifier: Any = None) -> dict[int, dict[str, Any]]:
+               state_dir: Path | None = None, broker_wait_s: float = 0.0, verifier: Any = None,
+               progress: Callable[[str], None] | None = None) -> dict[int, dict[str, Any]]:
     """Serve one device until the server's run is done (``state_dir``: where it keeps its state
-    to resume after a crash; None keeps nothing)."""
+    to resume after a crash; None keeps nothing; ``progress``: told a line a round)."""
     from edgefl.device import DeviceLoop
     from edgefl.device_state import DeviceStateStore
     from edgefl.transport.registry import device_transport
@@ -119,6 +120,7 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
     try:
         loop = DeviceLoop(client, transport, topics.federation, cfg.network, x_test, y_test, cfg.eval.batch_size, store, verifier,
                           build_chain(cfg.filter_chain(), "device", cfg.seed, device_id))
+        loop.on_answer = progress
         saved = loop.restore()
         if saved is not None:
             log.warning("%s: found the state it saved after round %d in %s (used if the server runs the same run)",
@@ -133,7 +135,8 @@ def run_device(cfg: RunConfig, device_id: str, broker: str, timeout_s: float | N
 def run_device_held(device_id: str, broker: str, federation_name: str, data: Path, *, loader: str | None = None,
                     profile: dict[str, Any] | None = None, timeout_s: float | None = None, username: str | None = None,
                     password: str | None = None, ca_file: str | None = None, state_dir: Path | None = None,
-                    say: Callable[[str], None] = log.warning, broker_wait_s: float = 0.0, verifier: Any = None) -> dict[int, dict[str, Any]]:
+                    say: Callable[[str], None] = log.warning, broker_wait_s: float = 0.0, verifier: Any = None,
+                    progress: Callable[[str], None] | None = None) -> dict[int, dict[str, Any]]:
     """Serve one device that trains on data only it holds (``data``): it gets its task from the
     server (:mod:`edgefl.enrol`), needs no run config and no data set of the server's."""
     from edgefl.config import NetworkSettings
@@ -164,6 +167,7 @@ def run_device_held(device_id: str, broker: str, federation_name: str, data: Pat
         store = DeviceStateStore(state_dir, device_id, topics.federation, task_digest(task)) if state_dir else None
         loop = DeviceLoop(joined.client, transport, topics.federation, task.network, None, None, task.eval_batch_size, store, verifier,
                           build_chain(task.filter_chain(), "device", task.seed, device_id))
+        loop.on_answer = progress
         loop.restore()
         results = loop.run(timeout_s)
         save_final_model(loop, task_model_meta(task), say)
