@@ -356,3 +356,21 @@ def test_what_the_server_receives_of_a_real_round_unmasks_only_as_the_sum(monkey
         got = fixedpoint.decode_sum(total, count=n, clip=clip, value_bits=bits, modulus_bits=m)
         want = sum(inputs[u] for u in g.masked)
         assert torch.allclose(got, want, atol=n * fixedpoint.step(clip, bits))  # stochastic rounding: < 1 step each
+
+
+def test_a_group_too_small_to_survive_a_drop_out_is_said_at_the_start(caplog):
+    """Three devices a round share with both others and need both shares: one device lost after the key
+    exchange fails the round. An outside trial met that with no warning; the server now says it at the
+    start, and stays quiet for a group that tolerates drop-outs."""
+    import logging
+
+    from edgefl.filters import build_chain
+
+    (server_side,) = build_chain([("secagg", {})], "server", 0)
+    with caplog.at_level(logging.WARNING, logger="edgefl.secagg"):
+        server_side.prepare({"groups": {}, "seed": 0, "federation": "f", "expected_per_group": {"all": 3}})
+    assert "group all of 3 devices a round" in caplog.text and "survives no device that drops out" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgefl.secagg"):
+        server_side.prepare({"groups": {}, "seed": 0, "federation": "f", "expected_per_group": {"all": 10}})
+    assert "survives no device" not in caplog.text

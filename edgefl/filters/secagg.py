@@ -47,7 +47,8 @@ META = "filter.secagg"
 KEY_BYTES = 32
 MAX_NEIGHBOURS = 1024
 MAX_VECTOR = 1 << 27  # values in one secured upload (a ResNet-50 has 2.6e7)
-KEEP_META = ("train_loss", "eval_accuracy")  # what a masked upload keeps in the clear besides its layout
+#: what a masked upload keeps in the clear besides its layout (a restart from scratch tells the server nothing of the model)
+KEEP_META = ("train_loss", "eval_accuracy", "started_from", "state_lost")
 
 
 class SecAggOptions(FilterOptions):
@@ -341,6 +342,13 @@ class _ServerSide:
         self.groups = dict(run.get("groups") or {})
         self.seed = int(run.get("seed", self.seed))
         self.federation = str(run.get("federation", ""))
+        for name, n in sorted((run.get("expected_per_group") or {}).items()):
+            if n > 1:  # said at the start: a small group's round fails at the first device lost after sharing keys
+                k, t = _plan(self.options, [str(i) for i in range(n)])
+                if k - t < 1:
+                    log.warning("secagg: group %s of %d devices a round: each device's masks need %d of its %d neighbours' shares, so "
+                                "a round survives no device that drops out after sharing keys (more devices a round, or a lower "
+                                "threshold, tolerate some; docs/privacy.md)", name, n, t, k)
 
     def stages(self) -> list[Stage]:
         return [_KeysStage(self), _SharesStage(self), _UnmaskStage(self)]
