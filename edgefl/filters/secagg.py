@@ -347,8 +347,8 @@ class _ServerSide:
                 k, t = _plan(self.options, [str(i) for i in range(n)])
                 if k - t < 1:
                     log.warning("secagg: group %s of %d devices a round: each device's masks need %d of its %d neighbours' shares, so "
-                                "a round survives no device that drops out after sharing keys (more devices a round, or a lower "
-                                "threshold, tolerate some; docs/privacy.md)", name, n, t, k)
+                                "a round survives no device that drops out after sharing keys (more devices a round tolerate some; "
+                                "docs/secure-aggregation.md)", name, n, t, k)
 
     def stages(self) -> list[Stage]:
         return [_KeysStage(self), _SharesStage(self), _UnmaskStage(self)]
