@@ -160,6 +160,12 @@ def build_client_from_task(task: Task, x: torch.Tensor, y: torch.Tensor, x_val: 
     return method.client_class()(setup, method.parse_options(task.method.options))
 
 
+def _decline(joiner: Joiner, task: Task, reason: str, hint: str | None) -> Declined:
+    """Tell the server why this device cannot take part (until acknowledged, briefly), and the error to raise."""
+    joiner.confirm("decline", task, min(task.network.ack_timeout_s * 2, 30.0), reason=reason[:500])
+    return Declined(f"{task.device} cannot take part: {reason}", hint=hint)
+
+
 def join_run(transport: DeviceTransport, device: str, federation: str, data: str | Path, *, loader: str | None = None,
              profile: dict[str, Any] | None = None, timeout_s: float | None = None,
              say: Callable[[str], None] = log.warning, verifier: Verifier | None = None) -> Enrolment:
@@ -180,15 +186,13 @@ def join_run(transport: DeviceTransport, device: str, federation: str, data: str
             raise DataError(f"{data} holds {len(held.y)} sample: a device needs at least two (one to train on, one to validate)",
                             hint="add samples to the device's data")
     except DataError as exc:
-        joiner.confirm("decline", task, min(task.network.ack_timeout_s * 2, 30.0), reason=exc.message[:500])
-        raise Declined(f"{device} cannot take part: {exc.message}", hint=exc.hint) from None
+        raise _decline(joiner, task, exc.message, exc.hint) from None
     train_idx, val_idx = split_validation(task, len(held.y))
     t, v = torch.from_numpy(train_idx), torch.from_numpy(val_idx)
     try:
         client = build_client_from_task(task, held.x[t], held.y[t], held.x[v], held.y[v])
     except ConfigError as exc:  # a task this device cannot train (the method refuses its settings): the server hears why
-        joiner.confirm("decline", task, min(task.network.ack_timeout_s * 2, 30.0), reason=f"the task: {exc.message}"[:500])
-        raise Declined(f"{device} cannot take part: the task it was given: {exc.message}", hint=exc.hint) from None
+        raise _decline(joiner, task, f"the task it was given: {exc.message}", exc.hint) from None
     counts = torch.bincount(held.y, minlength=len(d.class_names)).tolist()
     reply = joiner.confirm("ready", task, task.network.round_deadline_s, samples=len(held.y), validation=len(val_idx),
                            class_counts=counts, source=held.source[:200])

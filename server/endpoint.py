@@ -327,9 +327,12 @@ class ServerEndpoint:
         lost = message.meta.get("state_lost")
         why = (f"its saved state could not be used: {printable(lost, 250)}" if isinstance(lost, str) and lost
                else "it had no saved state (started with --no-state, or with a new --state-dir)")
-        text = (f"restarted from scratch in round {message.round} after taking part from round {first} ({why}): "
-                "the state it keeps between rounds starts over, and its accuracy may drop until it catches up")
-        # marked as the echo of the "warning" event: a console that prints the event drops this line
+        self._warn(device, f"restarted from scratch in round {message.round} after taking part from round {first} ({why}): "
+                           "the state it keeps between rounds starts over, and its accuracy may drop until it catches up")
+
+    def _warn(self, device: str, text: str) -> None:
+        """A device's message was accepted but is worth an operator's look: logged, and sent as a "warning" event."""
+        # marked as the echo of the event: a console that prints the event drops this line
         log.warning("%s %s", printable(device, 64), text, extra={"edgefl_event": "warning"})
         self.on_event("warning", {"device": device, "reason": text})
 
@@ -358,10 +361,8 @@ class ServerEndpoint:
                 return
             self.reply(device, env, "ack", status="accepted")
             if changed:
-                text = (f"enrolled again with other data ({changed}): a restart with new data, or a second process with the "
-                        "same --device-id (each device needs its own)")
-                log.warning("%s %s", printable(device, 64), text, extra={"edgefl_event": "warning"})
-                self.on_event("warning", {"device": device, "reason": text})
+                self._warn(device, f"enrolled again with other data ({changed}): a restart with new data, or a second process "
+                                   "with the same --device-id (each device needs its own)")
             self.on_event("enrolled", {"device": device, **self.enrolment.devices[device].to_dict()})
             if self.listener is not None:
                 # a device that restarted mid-round joins again before it listens for rounds, so the

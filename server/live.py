@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edgefl.report import was_secured
+
 LIVE_FILE = "live.json"
 MIN_INTERVAL_S = 0.5
 RECENT = 50
@@ -154,8 +156,7 @@ class LiveState:
                                 entry["last_dropped"] = {"round": info["round"], "stage": name}
                 if info.get("failure"):
                     current["failure"] = info["failure"]
-                secagg = (info.get("filters") or {}).get("secagg") or {}
-                if secagg.get("secured") and info.get("outcome") != "failed":  # a failed round released no sum
+                if was_secured(info):  # a failed round released no sum
                     current["secured"] = True
             force = True
         elif kind in ("joined", "evaluating"):
