@@ -129,6 +129,12 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
                 else f"the {len(members)} device(s) training {arch}"
             entry: dict[str, Any] = {"device": best.client_id, "accuracy": acc, "judged_on": on if acc is not None else None,
                                      "why": f"{cfg.method.name} keeps a model per device: {best.client_id}'s, the best of {among} ({judged})"}
+            # the order to fall back in when the best device's model is gone (an asynchronous device that
+            # reported, then died before the run ended, never writes its final model)
+            reported = sorted((m for m in members if m.client_id in device_accuracy),
+                              key=lambda s: (-device_accuracy[s.client_id], -len(s.sample_indices)))
+            if len(reported) > 1:
+                entry["ranked"] = [{"device": m.client_id, "accuracy": device_accuracy[m.client_id]} for m in reported]
             if device_models is not None and best.client_id in device_models:
                 name = f"ship-{safe_name(arch)}"
                 run_dir.save_model(name, device_models[best.client_id], {**device_model_meta(cfg, ds, best, "ship"), "accuracy": acc})
@@ -186,8 +192,10 @@ def adopt_device_models(run_dir: RunDir, state_dirs: dict[str, Any]) -> list[str
         shutil.copyfile(source, target)
         written.append(str(target.relative_to(run_dir.path)))
     for arch, entry in (plan.get("models") or {}).items():
-        device = entry.get("device") if isinstance(entry, dict) else None
-        if entry.get("file") is None and arch_of.get(device) == arch:
+        if not isinstance(entry, dict) or entry.get("file") is not None:
+            continue
+        device = _adoptable(arch, entry, arch_of)
+        if device is not None:
             name = f"models/ship-{safe_name(arch)}.safetensors"
             shutil.copyfile(Path(state_dirs[device]) / MODEL, run_dir.path / name)
             entry["file"] = name
@@ -196,6 +204,8 @@ def adopt_device_models(run_dir: RunDir, state_dirs: dict[str, Any]) -> list[str
             for pick in (plan.get("phones") or {}).values():  # the phone classes given this architecture get its file too
                 if isinstance(pick, dict) and pick.get("arch") == arch:
                     pick["file"] = name
+                    if "device" in pick:
+                        pick["device"], pick["accuracy"] = device, entry.get("accuracy")
     if written:
         run_dir.write_json(PLAN_FILE, plan)
         try:
@@ -205,3 +215,22 @@ def adopt_device_models(run_dir: RunDir, state_dirs: dict[str, Any]) -> list[str
         except (OSError, ValueError, TypeError):
             pass  # the summary is the server's; ship.json is the plan's own record
     return written
+
+
+def _adoptable(arch: str, entry: dict[str, Any], arch_of: dict[str, str]) -> str | None:
+    """The device whose final model ships for ``arch``: the one ship.json names when it left its file,
+    else the next best in its ``ranked`` list that did (``entry`` is updated to say so), else None."""
+    named = entry.get("device")
+    if arch_of.get(named) == arch:
+        return named
+    for pick in entry.get("ranked") or []:
+        device = pick.get("device") if isinstance(pick, dict) else None
+        if device != named and arch_of.get(device) == arch:
+            acc = pick.get("accuracy")
+            entry["why"] = (f"{named}, the best that reported, left no final model (its process ended before the run did); "
+                            f"{device}'s instead, the next best that did"
+                            + (f" (accuracy {acc:.4f})" if isinstance(acc, (int, float)) else ""))
+            entry["device"], entry["accuracy"] = device, acc
+            entry.pop("judged_on", None)  # it described the first pick's data
+            return device
+    return None

@@ -98,6 +98,37 @@ def test_a_local_fleet_adopts_the_devices_readable_model_files_and_skips_a_damag
     assert adopt_device_models(RunDir(path), {best: states[best]}) == []
 
 
+def test_a_local_fleet_whose_best_device_left_no_model_ships_the_next_best_that_did_and_says_so(tmp_path):
+    from edgefl.device_state import MODEL
+    from edgefl.server.shipping import adopt_device_models
+
+    path, plan = _run(tmp_path, "fedhe")
+    cnn_arch, file_arch = "fedhe-cnn-0(width=0.125)", "fedhe-cnn-0_width_0.125"
+    ranked = plan["models"][cnn_arch]["ranked"]
+    assert [r["device"] for r in ranked][0] == plan["models"][cnn_arch]["device"] and len(ranked) == 3
+    assert [r["accuracy"] for r in ranked] == sorted((r["accuracy"] for r in ranked), reverse=True)
+    best, second = ranked[0]["device"], ranked[1]["device"]
+    kept = (path / "models" / f"{second}-{file_arch}.safetensors").read_bytes()
+    for model in (path / "models").iterdir():
+        model.unlink()
+    for entry in plan["models"].values():
+        entry["file"], entry["where"] = None, "on the device"
+    (path / "ship.json").write_text(json.dumps(plan))
+    # the best device died before the run ended (an asynchronous fleet): its folder holds no final model
+    states = {best: tmp_path / "state" / best, second: tmp_path / "state" / second}
+    for folder in states.values():
+        folder.mkdir(parents=True)
+    (states[second] / MODEL).write_bytes(kept)
+    written = adopt_device_models(RunDir(path), states)
+    assert f"models/ship-{file_arch}.safetensors" in written
+    adopted = json.loads((path / "ship.json").read_text())["models"][cnn_arch]
+    assert adopted["device"] == second and adopted["accuracy"] == ranked[1]["accuracy"]
+    assert f"{best}, the best that reported, left no final model" in adopted["why"] and second in adopted["why"]
+    assert (path / adopted["file"]).read_bytes() == kept
+    phones = json.loads((path / "ship.json").read_text())["phones"]
+    assert all(p["device"] == second for p in phones.values() if p["arch"] == cnn_arch)
+
+
 def test_a_phone_gets_the_most_accurate_shipped_model_that_fits_it_not_merely_the_largest():
     from edgefl.build import build_run
     from edgefl.server.shipping import _phones
