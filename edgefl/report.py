@@ -488,8 +488,15 @@ def privacy_spent(record: dict[str, Any]) -> dict[str, tuple[float, float]]:
 
 
 def privacy_notes(record: dict[str, Any]) -> list[str]:
-    """``dp-fedavg epsilon 2.31 (delta 1e-05)`` for each DP filter of the round."""
-    return [f"{name} epsilon {eps:.3g} (delta {delta:g})" for name, (eps, delta) in privacy_spent(record).items()]
+    """``dp-fedavg epsilon 2.31 (delta 1e-05)`` for each DP filter of the round, with ``, noise
+    multiplier 0.41 this round`` when its released sum held fewer devices than its noise was split over."""
+    sources = privacy_sources(record)
+    notes = []
+    for name, (eps, delta) in privacy_spent(record).items():
+        lower = (sources.get(name) or {}).get("released_noise_multiplier")
+        short = f", noise multiplier {lower:.3g} this round (devices missing from the sum)" if isinstance(lower, (int, float)) else ""
+        notes.append(f"{name} epsilon {eps:.3g} (delta {delta:g}){short}")
+    return notes
 
 
 def lr_note(record: dict[str, Any]) -> str | None:

@@ -220,12 +220,16 @@ class SyncRounds(RoundPolicy):
     def _release(self, st: RoundState) -> bool:
         """What the collectors release after the stages (the unmasked sums) goes to the server
         half; False (the round fails, with the reason) when the server half refuses it."""
+        released: list[Message] = []
         for collector in self.collectors:
             for message in collector.release(st.round):
+                released.append(message)
                 status, reason = self._half_receipt(message.sender, message)
                 if status == "rejected":
                     st.failure = f"the server half refused what {type(collector).__name__} released: {reason}"
                     return False
+        for collector in self.collectors:
+            collector.released(st.round, released)
         return True
 
     def _pool(self) -> list[str]:

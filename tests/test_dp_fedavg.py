@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edgefl.config import validate_config
-from edgefl.errors import ConfigError
+from edgefl.errors import ConfigError, PayloadError
 from edgefl.filters.dp import META, DPFedAvg, DPFedAvgOptions
 from edgefl.messages import Message
 from edgefl.privacy.accounting import Gaussian, noise_for
@@ -158,6 +158,54 @@ def test_under_secure_aggregation_the_devices_add_the_noise_and_the_sum_carries_
         raw = method_config("fedavg", rounds=1)
         raw["filters"] = [{"name": "secagg"}, {"name": "dp-fedavg", "noise_multiplier": 1.0}]
         validate_config(raw)
+
+
+def test_under_secure_aggregation_a_sum_short_of_devices_is_counted_at_its_lower_noise(monkeypatch, caplog):
+    """Devices split the noise over the e a round expects; a sum of m < e carries noise multiplier
+    z sqrt(m / e), and the accountant must count that, not z (the record and the log say so)."""
+    import logging
+
+    from edgefl.filters.secagg import SecAgg
+    from edgefl.privacy.accounting import composed_epsilon
+    from edgefl.sim import Simulation
+
+    raw = method_config("fedavg", rounds=2)
+    raw.update(threads=1, network={"federation": "dp-fedavg-short", "round_deadline_s": 60},
+               fleet={"groups": [{"model": "mlp", "count": 5, "options": {"hidden": [16]}}]},
+               filters=[{"name": "dp-fedavg", "clip": 1.0, "noise_multiplier": 0.5}, {"name": "secagg", "neighbours": 4, "threshold": 2}])
+    sim = Simulation(validate_config(raw), show_progress=False)
+    real_in = SecAgg.download_in
+
+    def download_in(self, message):
+        if self.device == "client-2" and message.round == 1 and ".secagg/shares" in message.tensors:
+            self._mine = None  # the process restarted after sharing: it drops out of round 1's sum
+        return real_in(self, message)
+
+    monkeypatch.setattr(SecAgg, "download_in", download_in)
+    with caplog.at_level(logging.WARNING, logger="edgefl.server"):
+        first = sim.run_round(1)
+    second = sim.run_round(2)
+    assert "client-2" not in first["reported"] and "client-2" in second["reported"]
+    dp1, dp2 = first["filters"]["dp-fedavg"], second["filters"]["dp-fedavg"]
+    assert first["outcome"] in ("complete", "deadline"), first.get("failure")
+    reduced = round(0.5 * math.sqrt(4 / 5), 6)
+    assert dp1["released_noise_multiplier"] == reduced and "held 4 of the 5 devices" in dp1["short_because"]
+    assert "not 0.5" in caplog.text and "over_select" in caplog.text
+    from edgefl.report import privacy_notes
+
+    assert f"noise multiplier {reduced:.3g} this round" in privacy_notes(first)[0]
+    assert "released_noise_multiplier" not in dp2 and dp2["short_releases"] == 1 and dp2["releases"] == 2
+    q = dp2["sample_rate"]
+    honest = composed_epsilon([Gaussian(0.5, q, 1), Gaussian(reduced, q, 1)], 1e-5)
+    assert math.isclose(dp2["epsilon"], honest, rel_tol=1e-5) and dp2["epsilon"] > Gaussian(0.5, q, 2).epsilon(1e-5)
+    # a resumed server counts it too
+    dp = next(f for f in sim.session.filters if f.name == "dp-fedavg")
+    again = DPFedAvg(DPFedAvgOptions(clip=1.0, noise_multiplier=0.5), side="server", seed=0)
+    again.load_server_state(dp.server_state())
+    again.noise_multiplier, again._sample_rate = 0.5, q
+    assert math.isclose(again._epsilon(), honest, rel_tol=1e-9)
+    with pytest.raises(PayloadError, match="short releases"):
+        again.load_server_state({"released": 1, "clip": 1.0, "short_releases": [[0.4, 2]]})
 
 
 def test_a_dp_fleet_writes_the_simulation_s_records(tmp_path):

@@ -133,6 +133,11 @@ class Filter(ABC):  # noqa: B024  (every hook has a pass-through default: a filt
         uploads this filter collected (the unmasked sums)."""
         return []
 
+    def released(self, round_no: int, messages: list[Message]) -> None:  # noqa: B027  (optional hook)
+        """Server side, after every filter released: all the server half got in place of the round's
+        uploads. A filter earlier in the chain learns here what a later one summed (secure
+        aggregation's sums say how many uploads each holds: ``meta["secure_aggregate"]``)."""
+
     def server_state(self) -> dict[str, Any]:
         """Server side: what must survive a server restart (``edgefl server --resume``), as JSON
         values: a privacy filter's releases, say, without which its epsilon would restart at 0."""

@@ -10,8 +10,10 @@ the sum of the round's updates, z the noise multiplier:
   per architecture group (``w + (sum of updates + noise) / m``);
 * with secure aggregation (``secagg`` later in the chain) the server never sees an update, so the
   noise is added on the devices: each adds N(0, (z clip)^2 / e), e the devices a round expects in
-  its group, and the unmasked sum carries the intended N(0, (z clip)^2) when all e report (fewer
-  reports carry less noise: the accountant assumes the full amount; over-select to keep it).
+  its group, and the unmasked sum carries the intended N(0, (z clip)^2) when all e report. A sum
+  of m < e uploads carries only N(0, (z clip)^2 m / e): the accountant counts that round at noise
+  multiplier z sqrt(m / e) (the smallest of its groups'), the record says so, and the server log
+  warns; over-select devices to keep the full noise.
 
 The accountant (:mod:`edgefl.privacy.accounting`) composes one release per round with sampling
 rate q (the share of devices a round selects) into epsilon at ``delta``; every record carries it
@@ -24,6 +26,7 @@ rounds, or a given one is checked against it before the run starts.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +37,10 @@ from pydantic import Field, model_validator
 from edgefl.errors import PayloadError
 from edgefl.filters.base import Filter, FilterOptions
 from edgefl.messages import Message
-from edgefl.privacy.accounting import Gaussian, noise_for
+from edgefl.privacy.accounting import Gaussian, composed_epsilon, noise_for
 from edgefl.seeding import derive_seed
+
+log = logging.getLogger("edgefl.server")
 
 META = "filter.dp-fedavg"
 
@@ -85,6 +90,10 @@ class DPFedAvg(Filter):
         self._round = -1
         self._collected = _Collected()
         self._released = 0  # rounds whose noisy sum was released (what the accountant counts)
+        # secagg: releases whose sum held fewer devices than the noise was split over -> their (lower)
+        # noise multiplier, counted; the rest of the releases carry the full one
+        self._short: dict[float, int] = {}
+        self._short_this_round: tuple[int, float, str] | None = None  # (round, its multiplier, why)
         self.clip = self.options.clip  # the round's clip: fixed, or learnt when adaptive
         self._unclipped: dict[str, int] = {}  # server, adaptive: group -> devices whose update was under the clip
 
@@ -253,6 +262,37 @@ class DPFedAvg(Filter):
         self._collected = _Collected()
         return out
 
+    def released(self, round_no: int, messages: list[Message]) -> None:
+        """Under secure aggregation: each unmasked sum says how many uploads it holds. Devices split
+        the noise over the e a round expects in their group, so a sum of m < e carries noise
+        multiplier z sqrt(m / e); the round is counted at its groups' lowest."""
+        if "secagg" not in self.chain or round_no != self._round:
+            return
+        z = float(self.noise_multiplier or 0.0)
+        worst: tuple[float, str] | None = None
+        for message in messages:
+            summed = message.meta.get("secure_aggregate")
+            if not isinstance(summed, int) or isinstance(summed, bool) or summed < 1:
+                continue
+            group = self._groups.get(message.sender, "all")
+            expected = max(1, self._expected.get(group, 1))
+            if summed < expected and (worst is None or summed / expected < worst[0]):
+                worst = (summed / expected, f"group {group}'s sum held {summed} of the {expected} devices the noise was split over")
+        if worst is None or z == 0:
+            return
+        reduced = round(z * math.sqrt(worst[0]), 6)
+        self._short[reduced] = self._short.get(reduced, 0) + 1
+        self._short_this_round = (round_no, reduced, worst[1])
+        log.warning("dp-fedavg: round %d: %s: the released sum's noise multiplier was %.3g, not %.3g (the epsilon counts it; "
+                    "over-select devices, fleet.over_select, to keep the full noise)", round_no, worst[1], reduced, z)
+
+    def _epsilon(self) -> float:
+        z = float(self.noise_multiplier or 0.0)
+        short = sum(self._short.values())
+        parts = [Gaussian(z, self._sample_rate, max(0, self._released - short))]
+        parts += [Gaussian(reduced, self._sample_rate, n) for reduced, n in sorted(self._short.items())]
+        return composed_epsilon(parts, self.options.delta)
+
     def _count_noise(self) -> float:
         expected = sum(self._expected.values()) or 1
         return self.options.count_noise if self.options.count_noise is not None else expected / 20
@@ -279,7 +319,10 @@ class DPFedAvg(Filter):
 
     def server_state(self) -> dict[str, Any]:
         # the releases the accountant counts and the learnt clip; the noise multiplier is derived again in prepare()
-        return {"released": self._released, "clip": self.clip}
+        state: dict[str, Any] = {"released": self._released, "clip": self.clip}
+        if self._short:
+            state["short_releases"] = [[z, n] for z, n in sorted(self._short.items())]
+        return state
 
     def load_server_state(self, state: dict[str, Any]) -> None:
         released, clip = (state.get("released"), state.get("clip")) if isinstance(state, dict) else (None, None)
@@ -287,11 +330,25 @@ class DPFedAvg(Filter):
             raise PayloadError("dp-fedavg: the saved state's release count is not a count")
         if not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and 0 < clip <= 1e6):
             raise PayloadError("dp-fedavg: the saved state's clip is out of range")
+        short = state.get("short_releases", [])  # absent in a state saved before they were counted
+        if not isinstance(short, list) or len(short) > 100_000 or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
+                and 0 < p[0] <= 1e4 and isinstance(p[1], int) and not isinstance(p[1], bool) and 0 < p[1] <= released
+                for p in short) or sum(p[1] for p in short) > released:
+            raise PayloadError("dp-fedavg: the saved state's short releases are not [noise multiplier, count] pairs within its releases")
         self._released, self.clip = released, float(clip)
+        self._short = {}
+        for z, n in short:
+            self._short[float(z)] = self._short.get(float(z), 0) + n
 
     def round_facts(self, round_no: int) -> dict[str, Any]:
         z = float(self.noise_multiplier or 0.0)
-        epsilon = Gaussian(z, self._sample_rate, self._released).epsilon(self.options.delta)
-        return {"epsilon": round(epsilon, 6) if math.isfinite(epsilon) else None, "delta": self.options.delta,
-                "noise_multiplier": round(z, 6), "clip": round(self.clip, 9), "releases": self._released,
-                "sample_rate": round(self._sample_rate, 6)}
+        epsilon = self._epsilon()
+        facts = {"epsilon": round(epsilon, 6) if math.isfinite(epsilon) else None, "delta": self.options.delta,
+                 "noise_multiplier": round(z, 6), "clip": round(self.clip, 9), "releases": self._released,
+                 "sample_rate": round(self._sample_rate, 6)}
+        if self._short:
+            facts["short_releases"] = sum(self._short.values())  # releases counted at less than noise_multiplier
+        if self._short_this_round is not None and self._short_this_round[0] == round_no:
+            facts["released_noise_multiplier"], facts["short_because"] = self._short_this_round[1], self._short_this_round[2]
+        return facts

@@ -47,16 +47,23 @@ class Gaussian:
 
     def epsilon(self, delta: float) -> float:
         """epsilon at ``delta`` (inf without noise; 0 before any release)."""
-        if self.steps <= 0:
-            return 0.0
-        if self.noise_multiplier <= 0:
-            return math.inf
-        accountant, _ = _opacus()
-        a = accountant()
-        a.history = [(float(self.noise_multiplier), float(self.sample_rate), int(self.steps))]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "optimal order is the largest alpha": ORDERS reaches far
-            return float(a.get_epsilon(delta=delta, alphas=ORDERS))
+        return composed_epsilon([self], delta)
+
+
+def composed_epsilon(releases: list[Gaussian], delta: float) -> float:
+    """epsilon at ``delta`` of several runs of releases composed, each with its own noise (DP-FedAvg
+    under secure aggregation when a round's sum held fewer devices than its noise was split over)."""
+    releases = [r for r in releases if r.steps > 0]
+    if not releases:
+        return 0.0
+    if any(r.noise_multiplier <= 0 for r in releases):
+        return math.inf
+    accountant, _ = _opacus()
+    a = accountant()
+    a.history = [(float(r.noise_multiplier), float(r.sample_rate), int(r.steps)) for r in releases]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "optimal order is the largest alpha": ORDERS reaches far
+        return float(a.get_epsilon(delta=delta, alphas=ORDERS))
 
 
 def noise_for(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
