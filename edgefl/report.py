@@ -149,7 +149,7 @@ def draw_plots(run: RunDir) -> list[Path]:
         judged = [m for m in async_records if m["accuracy"] and m["accuracy"]["overall"] is not None]
         ax.plot([m["clock_s"] for m in judged], [m["accuracy"]["overall"] for m in judged], color="black", marker="o")
         clock = "virtual seconds" if async_records[0].get("virtual_clock") else "seconds"
-        ax.set(xlabel=clock, ylabel="test accuracy (overall)", title=f"Accuracy over time (asynchronous run)\n{run_title(run)}", ylim=(0, 1))
+        ax.set(xlabel=clock, ylabel=f"{accuracy_axis_label(judged)} (overall)", title=f"Accuracy over time (asynchronous run)\n{run_title(run)}", ylim=(0, 1))
         ax.grid(alpha=0.3)
         totals: dict[str, int] = {}
         for m in async_records:
@@ -199,6 +199,20 @@ def _fedavg_equivalent(run: RunDir) -> dict[str, Any] | None:
         return None
 
 
+def accuracy_axis_label(records: list[dict[str, Any]]) -> str:
+    """The y label of an accuracy plot, from what the last evaluated record says it was measured on
+    (``accuracy.judged_on``): a run whose devices hold their data has no test set to name."""
+    judged = next((m["accuracy"].get("judged_on") for m in reversed(records)
+                   if isinstance(m.get("accuracy"), dict) and m["accuracy"].get("judged_on")), None)
+    if not isinstance(judged, str):
+        return "accuracy"
+    if "validation data" in judged:
+        return "validation accuracy (devices' own data)" + (" / test accuracy" if "test set" in judged else "")
+    if "test split" in judged:
+        return "test accuracy (devices' own test splits)"
+    return "test accuracy" if "test set" in judged else "accuracy"
+
+
 def _accuracy_plot(run: RunDir, evaluated: list[dict[str, Any]], out_dir: Path, plt, round_axis) -> Path:
     """Accuracy per round: one line per architecture, the overall mean in black and, when the run
     has one, the Local-only baseline's overall mean dashed, with a second panel of the final
@@ -222,7 +236,7 @@ def _accuracy_plot(run: RunDir, evaluated: list[dict[str, Any]], out_dir: Path, 
     if base_eval:
         ax.plot([m["round"] for m in base_eval], [m["accuracy"]["overall"] for m in base_eval], color="black", linestyle="--",
                 marker="o", markerfacecolor="white", linewidth=2.2, label=f"{BASELINE_LABEL} baseline, overall (no communication)")
-    ax.set(xlabel="round", ylabel="test accuracy", title=f"{method}: accuracy per round and architecture", ylim=(0, 1))
+    ax.set(xlabel="round", ylabel=accuracy_axis_label(evaluated), title=f"{method}: accuracy per round and architecture", ylim=(0, 1))
     round_axis(ax, rounds + [m["round"] for m in base_eval])
     ax.grid(alpha=0.3)
     if bx is None:

@@ -155,3 +155,19 @@ def test_edgefl_report_prints_the_rounds_table_and_draws_the_drop_outs(secured):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "rounds - 2 of 4 secured" in res.stdout and "secagg-unmask: 1 (client-7)" in res.stdout
     assert f"wrote {run.path / 'plots' / 'stages.png'}" in res.stdout
+
+
+@pytest.mark.parametrize(("judged_on", "label"), [
+    ("server test set", "test accuracy"),
+    ("shared test set (each device's own model, judged on the device)", "test accuracy"),
+    ("devices' own validation data", "validation accuracy (devices' own data)"),
+    ("server test set and devices' own validation data", "validation accuracy (devices' own data) / test accuracy"),
+    ("devices' own test split", "test accuracy (devices' own test splits)"),
+    ("$\\frac{a}{b}$ from a file", "accuracy"),
+    (None, "accuracy"),
+])
+def test_an_accuracy_plot_names_what_the_accuracy_was_measured_on(judged_on, label):
+    from edgefl.report import accuracy_axis_label
+
+    records = [{"accuracy": {"overall": 0.5, **({"judged_on": judged_on} if judged_on else {})}}, {"accuracy": None}]
+    assert accuracy_axis_label(records) == label
