@@ -319,6 +319,40 @@ def test_a_ready_device_is_not_evicted_by_a_decline_and_other_data_is_named():
     assert enrolment.ready_report("client-0", other) == ("", "30 samples before, 20 now")
 
 
+def test_a_device_that_cannot_build_its_task_declines_telling_the_server_why(tmp_path, monkeypatch):
+    """The server builds every task's client half before it starts, but a device's own build can
+    still refuse (another edgefl version, its own data): the device declines with the reason, and
+    the server hears it, instead of the device exiting alone."""
+    from edgefl import enrol
+    from edgefl.data import load_dataset
+    from edgefl.errors import ConfigError
+    from edgefl.server.enrolment import Enrolment
+
+    task = Enrolment(_held_parts([{"model": "lenet5", "count": 2}]), "fed").task("client-0", "run-1")
+    write_image_folder(tmp_path / "data", load_dataset("fashion-mnist"), [0, 1], 5, 0)
+    told: list[tuple[str, dict]] = []
+
+    class Joiner:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def ask_task(self, timeout_s):
+            return task
+
+        def confirm(self, stage, task, timeout_s, **facts):
+            told.append((stage, facts))
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("CHFL aggregates heads after every local epoch", hint="set train.epochs = 1")
+
+    monkeypatch.setattr(enrol, "Joiner", Joiner)
+    monkeypatch.setattr(enrol, "build_client_from_task", refuse)
+    with pytest.raises(enrol.Declined, match="client-0 cannot take part: the task it was given: CHFL aggregates") as caught:
+        enrol.join_run(None, "client-0", "fed", tmp_path / "data")
+    assert caught.value.hint == "set train.epochs = 1"
+    assert told == [("decline", {"reason": "the task it was given: CHFL aggregates heads after every local epoch"})]
+
+
 @pytest.mark.parametrize("change,expected", [
     ({"rounds": 10**9}, "rounds"), ({"seed": -1}, "seed"), ({"method": {"name": "nope", "options": {}}}, "unknown method"),
     ({"model": {"name": "resnet999", "options": {}, "arch": "x"}}, "not a model"), ({"extra": 1}, "extra"),
