@@ -1202,6 +1202,11 @@ def _si(n: float) -> str:
 
 
 def main() -> None:
+    from edgefl.plugins import load_plugins, plugin_failures
+
+    load_plugins()  # methods and filters from outside edgefl (docs/adding-a-method.md): every command knows them
+    for failure in plugin_failures():
+        err.print(f"warning: edgefl plug-in not loaded: {failure}", markup=False, highlight=False)
     try:
         app()
     except EdgeflError as exc:

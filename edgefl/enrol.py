@@ -112,7 +112,14 @@ class Joiner:
             if reply.type == "nack":
                 raise Declined(f"the server refused {self.device}: {str(reply.extra.get('reason'))[:500]}",
                                hint="the reason says what to change (the device id, its profile, or the server's config)")
-            task = parse_task((reply.extra.get("info") or {}).get("task"))
+            info = (reply.extra.get("info") or {}).get("task")
+            try:
+                task = parse_task(info)
+            except PayloadError as exc:
+                run = info.get("run") if isinstance(info, dict) else None
+                if isinstance(run, str) and 0 < len(run) <= 200:  # once, unacknowledged: the server hears why this device is not joining
+                    self._join("decline", run=run, reason=str(exc)[:500])
+                raise
             if task.device != self.device or task.federation != self.federation:
                 raise PayloadError(f"the task names device {task.device!r} of {task.federation!r}, not this one")
             return task

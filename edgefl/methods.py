@@ -167,11 +167,18 @@ for _spec in (
 
 
 def get_method(name: str) -> MethodSpec:
+    """The method registered as ``name``, the plug-ins' included (edgefl.plugins)."""
+    if name not in METHODS:
+        from edgefl.plugins import load_plugins
+
+        load_plugins()
     try:
         return METHODS[name]
     except KeyError:
         import difflib
 
+        from edgefl.plugins import unknown_hint
+
         close = difflib.get_close_matches(name, list(METHODS), n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"methods: {', '.join(METHODS)}"
-        raise ConfigError(f"unknown method {name!r}", hint=hint) from None
+        raise ConfigError(f"unknown method {name!r}", hint=hint + unknown_hint("method", name)) from None

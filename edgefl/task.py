@@ -161,4 +161,5 @@ def parse_task(info: Any) -> Task:
     except ValidationError as exc:
         raise PayloadError(f"the server's task is invalid:\n{format_validation_error(exc, Task)}") from None
     except ConfigError as exc:  # an unknown method, or options this version does not take
-        raise PayloadError(f"the server's task cannot be served by this device: {exc.message}") from None
+        raise PayloadError(f"the server's task cannot be served by this device: {exc.message}"
+                           + (f" ({exc.hint})" if exc.hint else "")) from None

@@ -25,6 +25,7 @@ from edgefl.data import Dataset, class_counts
 from edgefl.environment import machine, package_versions, source_commit
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.methods import get_method
+from edgefl.plugins import loaded_plugins
 from edgefl.models import get_spec
 from edgefl.report import draw_plots, privacy_sources
 from edgefl.rundir import RunDir
@@ -202,6 +203,7 @@ class RunSession:
             "compute_device": str(resolve_device(cfg.device)),  # where this process's halves compute
             "device_profiles": {s.profile.id: s.profile.to_dict() for s in self.parts.slots if s.profile is not None},
             **({"filters": [f.describe() for f in self.filters]} if self.filters else {}),
+            **({"plugins": plugins} if (plugins := loaded_plugins()) else {}),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts,
         }
 

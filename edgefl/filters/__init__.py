@@ -24,11 +24,15 @@ def register_filter(cls: type[Filter]) -> type[Filter]:
 def get_filter(name: str) -> type[Filter]:
     """The filter registered as ``name``; KeyError names the known ones and the nearest."""
     from edgefl.configtools import suggest
+    from edgefl.plugins import load_plugins, unknown_hint
 
+    if name not in FILTERS:
+        load_plugins()
     try:
         return FILTERS[name]
     except KeyError:
-        raise KeyError(f"no filter {name!r}{suggest(name, FILTERS)}; filters: {', '.join(sorted(FILTERS)) or 'none'}") from None
+        raise KeyError(f"no filter {name!r}{suggest(name, FILTERS)}; filters: {', '.join(sorted(FILTERS)) or 'none'}"
+                       f"{unknown_hint('filter', name)}") from None
 
 
 
