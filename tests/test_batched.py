@@ -17,6 +17,7 @@ import logging
 import pytest
 import torch
 
+from edgefl.algorithms.fedavg import FedAvgClient
 from edgefl.config import validate_config
 from edgefl.sim.engine import Simulation
 from tests.conftest import digits_config
@@ -148,3 +149,40 @@ def test_a_model_drawing_other_randomness_is_refused_before_any_client_changes()
         train_together(clients, [c.batch_plan(None, 1) for c in clients])
     for c, state in zip(clients, before):
         assert all(torch.equal(v, state[k]) for k, v in c.model.state_dict().items())
+
+
+
+class ProxClient(FedAvgClient):
+    """A plug-in's FedProx-like client: FedAvg's client with its own fit (counting its calls here)."""
+
+    def fit(self, downlink, round_no):
+        self.fit_calls = getattr(self, "fit_calls", 0) + 1
+        return super().fit(downlink, round_no)
+
+
+def test_a_subclass_that_changes_fit_but_inherits_batch_plan_trains_one_at_a_time(caplog):
+    """An outside trial: a plug-in's FedProx over FedAvg's client inherited FedAvg's batch_plan, so a
+    batched round trained plain FedAvg without a word. Such a client now trains one at a time."""
+    from edgefl.methods import METHODS, MethodSpec, register_method
+    from edgefl.sim.batching import _plan_not_for_fit
+
+    class ProxBatched(ProxClient):
+        def batch_plan(self, downlink, round_no):
+            return super().batch_plan(downlink, round_no)
+
+    class Renamed(FedAvgClient):
+        pass
+
+    assert "overrides fit" in _plan_not_for_fit(ProxClient) and "inherits batch_plan from FedAvgClient" in _plan_not_for_fit(ProxClient)
+    assert _plan_not_for_fit(ProxBatched) == _plan_not_for_fit(Renamed) == _plan_not_for_fit(FedAvgClient) == ""
+    fedavg = METHODS["fedavg"]
+    register_method(MethodSpec("prox-test", "FedAvg with its own fit", f"{__name__}:ProxClient", fedavg.server_path,
+                               fedavg.options_path, uploads=fedavg.uploads, downloads=fedavg.downloads))
+    try:
+        caplog.set_level(logging.WARNING, logger="edgefl.sim")
+        sim, _ = _run("prox-test", RESNETS, "on", rounds=1)
+    finally:
+        METHODS.pop("prox-test")
+    assert sim.batcher.batched == 0 and sim.batcher.alone == 5
+    assert all(getattr(c, "fit_calls", 0) == 1 for c in sim.clients.values())  # its own fit trained every client
+    assert any("inherits batch_plan" in r.getMessage() for r in caplog.records)

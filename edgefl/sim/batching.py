@@ -55,6 +55,10 @@ class FitBatcher:
             if client.setup.train.optimizer_state == "kept":
                 self._once('train.optimizer_state = "kept": each device steps its own optimizer, one client at a time')
                 continue
+            inherited = _plan_not_for_fit(type(client))
+            if inherited:
+                self._once(inherited)
+                continue
             plan = client.batch_plan(loop.downlink(env), env.round)
             if plan is None:
                 self._once(f"{type(client).__name__} with these options has no batched form")
@@ -83,3 +87,19 @@ class FitBatcher:
                 self.alone += 1
             out.append((loop, env, done[k]))
         return out
+
+
+def _plan_not_for_fit(cls: type) -> str:
+    """Why a client class's ``batch_plan`` cannot stand for its ``fit``: a subclass that changes
+    ``fit`` (a plug-in's FedProx over FedAvg's client) but inherits its parent's ``batch_plan`` would
+    train with the parent's loss in a batched round. Empty when the two are defined together."""
+    def owner(name: str) -> type | None:
+        return next((c for c in cls.__mro__ if name in c.__dict__), None)
+
+    from edgefl.algorithms.base import ClientHalf
+
+    fit, plan = owner("fit"), owner("batch_plan")
+    if plan is None or fit is None or plan is fit or plan is ClientHalf or not issubclass(fit, plan):
+        return ""  # ClientHalf's batch_plan is "no batched form": nothing to stand in
+    return (f"{cls.__name__} overrides fit ({fit.__module__}) but inherits batch_plan from {plan.__name__}, whose loss "
+            f"would stand in for its own")
