@@ -1114,6 +1114,38 @@ def profiles() -> None:
     out.print(table)
 
 
+def _option_list(model) -> str:
+    """``key (default), ...`` of an options model (a default made by a factory shown as made)."""
+    fields = model.model_fields.items()
+    return ", ".join(f"{key} (required)" if field.is_required() else f"{key} ({field.get_default(call_default_factory=True)!r})"
+                     for key, field in fields)
+
+
+@app.command()
+def methods() -> None:
+    """List the methods a run's [method] name can be, with what they send and their options (plug-ins included)."""
+    from rich.markup import escape
+
+    from edgefl.methods import METHODS
+
+    table = Table(title=escape("edgefl methods ([method] name = ... plus options; docs/methods.md, plug-ins: docs/adding-a-method.md)"))
+    for col in ("name", "what it does", "uploads / downloads", "traits", "options (default)", "from"):
+        table.add_column(col, no_wrap=col == "name")
+    for name, spec in sorted(METHODS.items()):
+        traits = [t for t, on in (("one-shot", spec.one_shot), ("uses late reports", spec.asynchronous),
+                                  ("generator clients", spec.generator_clients), ("secure aggregation", not spec.needs_individual_uploads))
+                  if on]
+        try:
+            options = _option_list(spec.options_model)
+            spec.client_class(), spec.server_class()
+        except EdgeflError as exc:  # a plug-in's spec that names what cannot be imported: said in its row
+            options = f"BROKEN: {exc.message}"
+        module = spec.client_path.split(":")[0]
+        table.add_row(escape(name), escape(spec.description), escape(f"{', '.join(spec.uploads)} / {', '.join(spec.downloads) or '-'}"),
+                      ", ".join(traits) or "-", escape(options or "-"), "edgefl" if module.startswith("edgefl.") else escape(module))
+    out.print(table)
+
+
 @app.command()
 def filters() -> None:
     """List the filters a run's [[filters]] can name, with their options (docs/filters.md)."""
@@ -1125,8 +1157,7 @@ def filters() -> None:
     for col in ("name", "what it does", "options (default)"):
         table.add_column(col, no_wrap=col == "name")
     for name, cls in sorted(FILTERS.items()):
-        options = ", ".join(f"{key} ({field.default!r})" if not field.is_required() else f"{key} (required)"
-                            for key, field in cls.Options.model_fields.items())
+        options = _option_list(cls.Options)
         table.add_row(name, cls.summary or (cls.__doc__ or "").strip().split("\n")[0], options or "-")
     out.print(table)
 

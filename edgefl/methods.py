@@ -44,20 +44,28 @@ class MethodSpec:
     #: (option, value) with which the server only sums after all (FedIN without IN training sends no pairs)
     sums_with_option: tuple[str, Any] | None = None
 
-    @staticmethod
-    def _load(path: str) -> Any:
-        module, attr = path.split(":")
-        return getattr(importlib.import_module(module), attr)
+    def _load(self, path: str, what: str) -> Any:
+        """The class ``path`` ("module:Class") names; a ConfigError naming the method and the spec's
+        field when it cannot be imported (a plug-in's typo), never a traceback."""
+        module, sep, attr = path.partition(":")
+        try:
+            if not sep or not module or not attr:
+                raise ValueError(f"{path!r} is not \"module:Class\"")
+            return getattr(importlib.import_module(module), attr)
+        except Exception as exc:
+            raise ConfigError(f"method {self.name!r}: its {what} {path!r} cannot be imported: {type(exc).__name__}: {exc}",
+                              hint=f"fix the MethodSpec's {what} where {self.name!r} is registered (register_method); "
+                                   "a plug-in's modules must be importable on this machine") from None
 
     @property
     def options_model(self) -> Any:
-        return self._load(self.options_path)
+        return self._load(self.options_path, "options_path")
 
     def client_class(self) -> Any:
-        return self._load(self.client_path)
+        return self._load(self.client_path, "client_path")
 
     def server_class(self) -> Any:
-        return self._load(self.server_path)
+        return self._load(self.server_path, "server_path")
 
     def parse_options(self, raw: dict) -> Any:
         return self.options_model.model_validate(raw)
@@ -179,6 +187,6 @@ def get_method(name: str) -> MethodSpec:
 
         from edgefl.plugins import unknown_hint
 
-        close = difflib.get_close_matches(name, list(METHODS), n=1)
+        close = difflib.get_close_matches(name.lower(), list(METHODS), n=1, cutoff=0.7)  # 'fedprox' is not 'fedmho' (0.62)
         hint = f"did you mean {close[0]!r}?" if close else f"methods: {', '.join(METHODS)}"
         raise ConfigError(f"unknown method {name!r}", hint=hint + unknown_hint("method", name)) from None

@@ -1,7 +1,8 @@
 """Methods and filters from outside edgefl: plug-ins (docs/adding-a-method.md, docs/filters.md).
 
-A plug-in is a Python module that calls :func:`edgefl.methods.register_method` or
-:func:`edgefl.filters.register_filter` when it is imported. edgefl imports:
+A plug-in is a Python module that calls :func:`edgefl.methods.register_method`,
+:func:`edgefl.filters.register_filter` or :func:`edgefl.transport.registry.register_transport`
+when it is imported. edgefl imports:
 
 * every entry point of the group ``edgefl.plugins`` of the installed packages (a package's
   ``pyproject.toml``: ``[project.entry-points."edgefl.plugins"] fedprox = "mypkg.fedprox"``);
@@ -18,16 +19,15 @@ Each run records the plug-ins it loaded (``run.json``: ``plugins``).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
-import logging
 import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import ModuleType
 from typing import Any
-
-log = logging.getLogger("edgefl")
 
 GROUP = "edgefl.plugins"
 ENV = "EDGEFL_PLUGINS"
@@ -58,21 +58,25 @@ def load_plugins() -> list[dict[str, Any]]:
 
 def _import(label: str, source: dict[str, Any], load) -> None:
     try:
-        load()
+        module = load()
     except Exception as exc:  # any error of someone else's module: said where its names are looked up
         reason = f"{label}: {type(exc).__name__}: {exc}"[:500]
+        if isinstance(exc, ModuleNotFoundError) and source.get("env") and Path(f"{source['env']}.py").is_file():
+            reason += f" (a file here: name it as ./{source['env']}.py, or add its folder to PYTHONPATH)"
         _failed.append(reason)
-        log.warning("edgefl plug-in not loaded: %s", reason)
         return
+    where = getattr(module, "__file__", None)
+    if isinstance(where, str) and Path(where).is_file():  # which code made a run's numbers, not only its name
+        source["file"] = str(Path(where).resolve())
+        source["sha256"] = hashlib.sha256(Path(where).read_bytes()).hexdigest()
     _loaded.append(source)
 
 
-def _import_item(item: str) -> None:
+def _import_item(item: str) -> ModuleType:
     """A module name, or the path of a ``.py`` file (imported under its file name, so that a
     method's halves can be named ``fedprox:FedProxClient``)."""
     if not item.endswith(".py") and os.sep not in item and "/" not in item:
-        importlib.import_module(item)
-        return
+        return importlib.import_module(item)
     path = Path(item).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"no file {path}")
@@ -82,7 +86,7 @@ def _import_item(item: str) -> None:
     existing = sys.modules.get(name)
     if existing is not None:
         if Path(getattr(existing, "__file__", "") or "").resolve() == path:
-            return
+            return existing
         raise ImportError(f"a module named {name!r} is already imported from elsewhere: rename {path.name}")
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -94,6 +98,7 @@ def _import_item(item: str) -> None:
     except BaseException:
         sys.modules.pop(name, None)
         raise
+    return module
 
 
 def loaded_plugins() -> list[dict[str, Any]]:

@@ -154,9 +154,14 @@ def test_a_plugin_method_and_filter_run_in_simulation_and_as_a_local_fleet_with_
     assert [r["filters"]["count-uploads"]["uploads_seen"] for r in sim_records] == [3, 6]
     assert [r["accuracy"] for r in fleet_records] == [r["accuracy"] for r in sim_records]
     run = json.loads((tmp_path / "sim" / "run.json").read_text())
-    assert run["plugins"] == [{"env": str(path)}]
+    import hashlib
+
+    assert run["plugins"] == [{"env": str(path), "file": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}]
     listed = _edgefl(["filters"], env, tmp_path)
     assert listed.returncode == 0 and "count-uploads" in listed.stdout
+    methods = _edgefl(["methods"], {**env, "COLUMNS": "250"}, tmp_path)
+    row = next(line for line in methods.stdout.splitlines() if "bias-plugin" in line)
+    assert "biasplug" in row and "head / head" in row  # where it comes from, what it sends
 
 
 def test_an_installed_package_s_entry_point_is_a_plugin(plugin, tmp_path):
@@ -174,11 +179,13 @@ def test_an_installed_package_s_entry_point_is_a_plugin(plugin, tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if k != "EDGEFL_PLUGINS"}
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(Path(__file__).parent.parent)])
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=site, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     name, loaded = out.stdout.strip().split(" ", 1)
     assert name == "bias-plugin"
-    assert {"entry_point": "bias", "module": "biasplug", "package": "biasplug", "version": "0.1"} in json.loads(loaded)
+    (record,) = json.loads(loaded)
+    assert {"entry_point": "bias", "module": "biasplug", "package": "biasplug", "version": "0.1"}.items() <= record.items()
+    assert record["file"] == str((site / "biasplug.py").resolve()) and len(record["sha256"]) == 64
 
 
 def test_a_broken_plugin_is_said_on_every_command_and_named_where_its_method_is_asked_for(plugin, tmp_path):
@@ -194,6 +201,13 @@ def test_a_broken_plugin_is_said_on_every_command_and_named_where_its_method_is_
     assert sim.returncode == 2 and "unknown method 'bias-plugin'" in said and "a plug-in failed to import" in said, said[-2000:]
     missing = _edgefl(["filters"], {"EDGEFL_PLUGINS": str(tmp_path / "nope.py")}, tmp_path)
     assert "no file" in missing.stderr and missing.returncode == 0
+    assert missing.stderr.count("plug-in not loaded") == 1  # said once, not by a logger and again by the command
+    script = Path(sys.executable).parent / "edgefl"  # the console script: unlike python -m, it puts no folder on sys.path
+    if script.is_file():
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["EDGEFL_PLUGINS"] = "brokenplug"  # a module name, from the plug-in's folder
+        by_name = subprocess.run([str(script), "filters"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert "ModuleNotFoundError" in by_name.stderr and "name it as ./brokenplug.py" in by_name.stderr, by_name.stderr
 
 
 def test_a_device_without_the_plugin_declines_its_task_saying_why():
@@ -233,3 +247,21 @@ def test_a_device_without_the_plugin_declines_its_task_saying_why():
         Device().ask_task(timeout_s=5)
     assert sent[0]["stage"] == "hello" and sent[-1]["stage"] == "decline" and sent[-1]["run"] == "run-1"
     assert "unknown method 'bias-plugin'" in sent[-1]["reason"] and "plug-in" in sent[-1]["reason"]
+
+
+def test_a_spec_naming_a_class_that_cannot_be_imported_is_a_config_error_naming_the_field():
+    """An outside trial: a typo in a plug-in's spec ("fedprox:FedProxClnt") ended `edgefl simulate`
+    with a 61-line traceback and exit 1."""
+    from edgefl.errors import ConfigError
+    from edgefl.methods import MethodSpec
+
+    spec = MethodSpec("typo", "a plug-in with typos", "edgefl.algorithms.fedavg:FedAvgClnt", "no_such_module_x:Server",
+                      "edgefl.algorithms.fedavg")
+    with pytest.raises(ConfigError, match="method 'typo': its client_path 'edgefl.algorithms.fedavg:FedAvgClnt' cannot be imported: "
+                                          "AttributeError") as caught:
+        spec.client_class()
+    assert "register_method" in caught.value.hint
+    with pytest.raises(ConfigError, match="server_path 'no_such_module_x:Server' cannot be imported: ModuleNotFoundError"):
+        spec.server_class()
+    with pytest.raises(ConfigError, match="options_path 'edgefl.algorithms.fedavg' cannot be imported: ValueError"):
+        spec.options_model  # noqa: B018

@@ -86,13 +86,18 @@ def transport_for(url: str) -> TransportKind:
     """The transport ``url``'s scheme names; an unknown scheme is refused naming the registered
     ones (and the closest, for a typo)."""
     scheme, sep, _ = url.partition("://")
+    if sep and scheme.lower() not in _KINDS:
+        from edgefl.plugins import load_plugins
+
+        load_plugins()
     kind = _KINDS.get(scheme.lower()) if sep else None
     if kind is None:
         shapes = list(dict.fromkeys(k.example for k in _KINDS.values()))  # registration order: MQTT's first
         expected = ", ".join(shapes[:-1]) + f" or {shapes[-1]}" if len(shapes) > 1 else "".join(shapes)
         unknown = f"unknown transport scheme {scheme!r}{suggest(scheme.lower(), _KINDS)}; " if sep else ""
         raise EdgeflError(f"broker {url!r}: {unknown}expected {expected}",
-                          hint="a transport of your own registers its scheme with edgefl.transport.registry.register_transport")
+                          hint="a transport of your own registers its scheme with edgefl.transport.registry.register_transport, "
+                               "in a plug-in (docs/adding-a-method.md, section 5)")
     return kind
 
 
