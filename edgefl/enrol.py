@@ -118,7 +118,7 @@ class Joiner:
             except PayloadError as exc:
                 run = info.get("run") if isinstance(info, dict) else None
                 if isinstance(run, str) and 0 < len(run) <= 200:  # once, unacknowledged: the server hears why this device is not joining
-                    self._join("decline", run=run, reason=str(exc)[:500])
+                    self._join("decline", run=run, reason=" ".join(str(exc).split())[:500])
                 raise
             if task.device != self.device or task.federation != self.federation:
                 raise PayloadError(f"the task names device {task.device!r} of {task.federation!r}, not this one")

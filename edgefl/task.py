@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edgefl.config import NetworkSettings, TrainSettings
 from edgefl.configtools import format_validation_error
-from edgefl.errors import PayloadError
+from edgefl.errors import ConfigError, PayloadError
 
 TASK_VERSION = 1
 MAX_CLASSES = 10_000
@@ -135,8 +135,8 @@ class Task(_Strict):
         for entry in self.filters:
             try:
                 cls = get_filter(entry.name)
-            except KeyError as exc:
-                raise ValueError(f"{exc.args[0]}: this device's edgefl does not have it (upgrade it)") from None
+            except KeyError as exc:  # a ConfigError passes pydantic by: parse_task says the device cannot serve the task
+                raise ConfigError(f"{exc.args[0]}; or upgrade this device's edgefl, if the server's has it built in") from None
             cls.Options.model_validate(entry.options)
         return self
 
@@ -152,8 +152,6 @@ class Task(_Strict):
 
 def parse_task(info: Any) -> Task:
     """A task from the network, checked field by field; :class:`PayloadError` says what is wrong."""
-    from edgefl.errors import ConfigError
-
     if not isinstance(info, dict):
         raise PayloadError("a task is a JSON object")
     try:

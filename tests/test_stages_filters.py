@@ -259,8 +259,9 @@ def test_a_device_held_task_carries_the_chain_and_a_device_refuses_one_it_does_n
     info = task.to_info()
     assert info["filters"] == [{"name": "test-halve", "options": {"factor": 0.25}}]
     assert parse_task(info).filter_chain() == [("test-halve", {"factor": 0.25})]
-    with pytest.raises(PayloadError, match="no filter 'test-halvee'.*did you mean"):
+    with pytest.raises(PayloadError, match="cannot be served by this device: no filter 'test-halvee'.*did you mean") as caught:
         parse_task({**info, "filters": [{"name": "test-halvee", "options": {}}]})
+    assert "plug-in" in str(caught.value) and "(top level)" not in str(caught.value)
     plain = task_for(_config(), parts, parts.slots[0], "run-1", "fed").to_info()
     assert "filters" not in plain  # a run without filters sends the task earlier devices know
 
