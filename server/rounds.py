@@ -67,7 +67,7 @@ class RoundState:
     accepted: int = 0
     tally: Tally = field(default_factory=Tally)
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)  # what each stage saw (recorded when there are stages)
-    failure: str | None = None  # why the round failed, when it says more than "no quorum by the deadline"
+    failure: str | None = None  # why the round failed
     closed_unix: float | None = None  # wall clock when the round stopped taking uploads
 
     def __post_init__(self) -> None:
@@ -244,6 +244,7 @@ class SyncRounds(RoundPolicy):
     def _collect(self, st: RoundState) -> str:
         taking_part = len(st.selected) - len(st.dropped)
         if not taking_part:  # no device can take part (with device-held data: none is ready)
+            st.failure = st.failure or "no selected device could take part"
             return "failed"
         quorum = self.net.quorum_count(st.target)
         for device in st.taking_part():  # offline when the round starts: the grace counts from when it went
@@ -270,6 +271,9 @@ class SyncRounds(RoundPolicy):
                     st.deadline += self.net.grace_s
                     self.on_event("extended", {"round": st.round, "reported": len(st.reported), "quorum": quorum})
                     continue
+                refused = len(st.rejected)  # a round whose every upload was refused should say so, not only "no quorum"
+                st.failure = (f"no quorum by the deadline ({len(st.reported)} of {quorum} reported"
+                              + (f"; {refused} upload(s) refused, the last: {st.rejected[-1][1][:200]}" if refused else "") + ")")
                 return "failed"
             self.endpoint.pump(min(remaining, 1.0))
 
