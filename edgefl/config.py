@@ -720,6 +720,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set rounds=3")
         key, value = item.split("=", 1)
+        if "[" in key:  # filters[0].clip: the TOML/Python habit; list items are numbered path parts here
+            dotted = key.strip().replace("[", ".").replace("]", "")
+            raise ConfigError(f"--set {key}: list items are numbered as parts of the path", hint=f"--set {dotted}={value}")
         parts = key.strip().split(".")
         node: Any = out
         for i, part in enumerate(parts[:-1]):

@@ -103,6 +103,9 @@ def test_overrides():
         apply_overrides({}, ["rounds"])
     with pytest.raises(ConfigError, match="no item 9"):
         apply_overrides(digits_config(), ["fleet.groups.9.count=1"])
+    with pytest.raises(ConfigError, match="numbered as parts of the path") as caught:  # the habit an outside trial had
+        apply_overrides(digits_config(), ["fleet.groups[1].count=4"])
+    assert caught.value.hint == "--set fleet.groups.1.count=4"
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
