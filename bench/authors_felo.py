@@ -60,7 +60,8 @@ docs/methods.md ("Felo and Velo beside the authors' code").
 
 Time on a 2-core CPU at 200 iterations and width 0.25: their Felo or local-only about 11 minutes;
 their Velo 60 to 72 (IID: 4,341 s, of which 4,047 s are their CVAE's 95 trainings over up to 50,000
-stored features; Dirichlet 0.5: 3,499 s, CVAE 3,238 s); each edgefl run 1 to 5 minutes. Results are saved after every run; ``--resume`` keeps
+stored features; Dirichlet 0.5: 3,499 s, CVAE 3,238 s; on a slower 2-core machine about two hours,
+one to two minutes an iteration once the store is full); each edgefl run 1 to 5 minutes. Results are saved after every run; ``--resume`` keeps
 what an earlier sitting of the same setting and ``--tag`` finished, so the sides and methods can be
 run in several sittings (``--sides``, ``--methods``) and on several machines (each run records its own).
 
