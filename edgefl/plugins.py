@@ -14,7 +14,8 @@ Nothing that arrives over the network names a module to import: a device runs a 
 only when the plug-in is installed (or named in ``EDGEFL_PLUGINS``) on the device itself, and
 declines the task with the method's name otherwise. A plug-in that fails to import is reported,
 with its error, where its method or filter would have been looked up; the rest of edgefl works.
-Each run records the plug-ins it loaded (``run.json``: ``plugins``).
+Each run records the plug-ins it loaded (``run.json``: ``plugins``, with each module's file and its
+SHA-256, so that a run's numbers can be traced to the code that made them).
 """
 
 from __future__ import annotations
