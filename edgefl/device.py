@@ -464,7 +464,8 @@ class DeviceLoop:
         if reply.type == "nack":
             log.warning("%s: round %d upload refused: %s", self.device, upload.round, status)
         self.results[upload.round] = {"reply": reply.type, "status": status}
-        if self.on_answer is not None and reply.type == "ack":
+        trained_upload = getattr(self.served.get(upload.round), "message_id", None) == upload.message_id
+        if self.on_answer is not None and reply.type == "ack" and trained_upload:  # not an evaluation's or a stage's answer
             work = self.last_work if self.last_work is not None and self.last_work.round == upload.round else None
             trained = f", trained on {work.samples} samples" if work is not None and work.samples else ""
             self.on_answer(f"{self.device}: round {upload.round}: upload {printable(status, 64)}{trained}")
