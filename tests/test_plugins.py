@@ -265,3 +265,19 @@ def test_a_spec_naming_a_class_that_cannot_be_imported_is_a_config_error_naming_
         spec.server_class()
     with pytest.raises(ConfigError, match="options_path 'edgefl.algorithms.fedavg' cannot be imported: ValueError"):
         spec.options_model  # noqa: B018
+
+
+def test_a_transport_from_a_plugin_resolves_its_scheme(tmp_path):
+    """register_transport in a plug-in: the scheme works wherever a broker URL is read."""
+    (tmp_path / "memxplug.py").write_text(textwrap.dedent("""
+        from edgefl.transport import memory
+        from edgefl.transport.registry import register_transport
+
+        register_transport("memx", memory._server, memory._device, example="memx://NAME", in_process=True)
+    """))
+    code = "from edgefl.transport.registry import transport_for; print(transport_for('memx://hub').scheme)"
+    env = {k: v for k, v in os.environ.items() if k != "EDGEFL_PLUGINS"}
+    env["EDGEFL_PLUGINS"] = str(tmp_path / "memxplug.py")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "memx", out.stderr[-2000:]
