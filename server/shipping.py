@@ -119,20 +119,21 @@ def write_ship_plan(run_dir: RunDir, cfg: RunConfig, ds: Dataset, slots: list[De
             if get_spec(slot.model).kind == "classifier":
                 groups.setdefault(slot.arch, []).append(slot)
         for arch, members in groups.items():
-            best = max(members, key=lambda s: (device_accuracy.get(s.client_id, -1.0), len(s.sample_indices)))
+            # best first: accuracy in the last evaluation, ties to more samples; the rest is the order to fall back
+            # in when the best device's model is gone (an asynchronous device that reported, then died before the
+            # run ended, never writes its final model)
+            ranked = sorted(members, key=lambda s: (-device_accuracy.get(s.client_id, -1.0), -len(s.sample_indices)))
+            reported = [m for m in ranked if m.client_id in device_accuracy]
+            best = ranked[0]
             acc = device_accuracy.get(best.client_id)
             on = _judged_on(cfg, best, shared_test_samples, (validation_samples or {}).get(best.client_id))
             judged = (f"accuracy {acc:.4f} on {on} in the last evaluation" if acc is not None else "no accuracy reported (most samples)")
             # counted among those that reported: a device that declined or never joined was no candidate
-            judged_devices = sum(1 for m in members if m.client_id in device_accuracy) or len(members)
+            judged_devices = len(reported) or len(members)
             among = f"the {judged_devices} of {len(members)} device(s) training {arch} that reported" if judged_devices < len(members) \
                 else f"the {len(members)} device(s) training {arch}"
             entry: dict[str, Any] = {"device": best.client_id, "accuracy": acc, "judged_on": on if acc is not None else None,
                                      "why": f"{cfg.method.name} keeps a model per device: {best.client_id}'s, the best of {among} ({judged})"}
-            # the order to fall back in when the best device's model is gone (an asynchronous device that
-            # reported, then died before the run ended, never writes its final model)
-            reported = sorted((m for m in members if m.client_id in device_accuracy),
-                              key=lambda s: (-device_accuracy[s.client_id], -len(s.sample_indices)))
             if len(reported) > 1:
                 entry["ranked"] = [{"device": m.client_id, "accuracy": device_accuracy[m.client_id]} for m in reported]
             if device_models is not None and best.client_id in device_models:
