@@ -281,3 +281,17 @@ def test_a_transport_from_a_plugin_resolves_its_scheme(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "memx", out.stderr[-2000:]
+
+
+def test_edgefl_methods_marks_a_plugin_spec_it_cannot_import_as_broken(tmp_path):
+    (tmp_path / "typoplug.py").write_text(textwrap.dedent("""
+        from edgefl.methods import MethodSpec, register_method
+
+        register_method(MethodSpec("typo-plugin", "a spec with a typo", "typoplug:NoSuchClient", "typoplug:NoSuchServer",
+                                   "edgefl.algorithms.fedavg:FedAvgOptions", uploads=("weights",), downloads=("weights",)))
+    """))
+    listed = _edgefl(["methods"], {"EDGEFL_PLUGINS": str(tmp_path / "typoplug.py"), "COLUMNS": "400"}, tmp_path)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    row = next(line for line in listed.stdout.splitlines() if "typo-plugin" in line)
+    assert "BROKEN" in row and "NoSuchClient" in listed.stdout  # the reason wraps within its cell
+    assert "fedavg" in listed.stdout  # the other methods are listed as before
