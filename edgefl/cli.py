@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -154,7 +154,7 @@ def simulate(
         else:
             err.print(f"all {cfg.rounds} rounds were played: nothing left to resume, the results are written again")
     try:
-        with stop:
+        with stop, _device_echoes_dropped(True):
             summary = sim.run(should_stop=stop.requested)
     except KeyboardInterrupt:
         summary = {"interrupted": True}
@@ -314,15 +314,21 @@ class _EchoedEvents(logging.Filter):
 
 
 @contextmanager
-def _events_printed_not_logged(kinds: tuple[str, ...] = ("rejected", "warning")):
-    """While a fleet console prints these events, the server's log does not repeat them."""
-    server_log = logging.getLogger("edgefl.server")
+def _events_printed_not_logged(kinds: tuple[str, ...] = ("rejected", "warning"), logger: str = "edgefl.server"):
+    """While a console prints these events, the logger does not repeat them."""
+    server_log = logging.getLogger(logger)
     echo = _EchoedEvents(kinds)
     server_log.addFilter(echo)
     try:
         yield
     finally:
         server_log.removeFilter(echo)
+
+
+def _device_echoes_dropped(same_console: bool):
+    """Where the devices log to the server's console (a simulation, a fleet of threads), a device's
+    "upload refused" repeats the server's "rejected from" line: dropped (a refusal showed twice)."""
+    return _events_printed_not_logged(("upload-refused",), "edgefl.device") if same_console else nullcontext()
 
 
 PER_DEVICE_LINES_MAX = 64  # larger fleets print counts: ten thousand "joined" lines help nobody
@@ -450,7 +456,8 @@ def fleet(
     err.print(f"[bold]{escape(cfg.name)}[/]: {cfg.method.name} fleet of {cfg.fleet.num_clients} device {kind}, {cfg.rounds} rounds")
     err.print(f"run directory: {run.path}")
     board = _open_dashboard(run.path, dashboard)
-    with _stoppable(cfg.mode == "async") as (stop, beat), _discarded_on_failure(run), _second_signal(run.path), _events_printed_not_logged():
+    with _stoppable(cfg.mode == "async") as (stop, beat), _discarded_on_failure(run), _second_signal(run.path), _events_printed_not_logged(), \
+            _device_echoes_dropped(kind == "threads"):
         summary = run_fleet(cfg, config, run, err, broker, on_event=_fleet_printer(err, cfg.rounds, beat, cfg.fleet.num_clients), parts=parts,
                             should_stop=stop.requested, keep=keep)
     if board is not None:  # the page of the finished run: edgefl dashboard RUN_DIR

@@ -170,7 +170,7 @@ class DeviceLoop:
         """Act on one delivery. Never raises on what the network brings: bad input (a malformed,
         unsigned or out-of-bounds envelope, chunk or message body, wherever it shows) is logged
         and dropped, and the device goes on."""
-        self._guarded(lambda: self._handle(item), item.where or item.channel)
+        self._guarded(lambda: self._handle(item), item.where or f"the {item.channel} channel")  # (a simulation has no topics)
 
     def _guarded(self, act: Callable[[], None], where: str) -> None:
         try:
@@ -462,7 +462,9 @@ class DeviceLoop:
         del self.pending[upload.message_id]
         status = reply.extra.get("status") if reply.type == "ack" else reply.extra.get("reason")
         if reply.type == "nack":
-            log.warning("%s: round %d upload refused: %s", self.device, upload.round, status)
+            # marked as the echo of the server's refusal: a console that shows the server's line (a
+            # simulation, a fleet of threads) drops this one
+            log.warning("%s: round %d upload refused: %s", self.device, upload.round, status, extra={"edgefl_event": "upload-refused"})
         self.results[upload.round] = {"reply": reply.type, "status": status}
         trained_upload = getattr(self.served.get(upload.round), "message_id", None) == upload.message_id
         if self.on_answer is not None and reply.type == "ack" and trained_upload:  # not an evaluation's or a stage's answer

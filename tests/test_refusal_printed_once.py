@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import subprocess
+import sys
 
 from rich.console import Console
 
@@ -36,7 +39,8 @@ def test_the_fleet_console_prints_a_refusal_once_and_keeps_other_warnings(caplog
     with caplog.at_level(logging.WARNING, logger="edgefl.server"), _events_printed_not_logged():
         endpoint.count("client-0", "tensor 'w' holds a NaN")
         logging.getLogger("edgefl.server").warning("something else")
-    assert buffer.getvalue().count("holds a NaN") == 1  # the event line
+    printed = [line for line in buffer.getvalue().splitlines() if "holds a NaN" in line]
+    assert len(printed) == 1 and "client-0" in printed[0], printed  # the event line, naming the device
     assert [r.getMessage() for r in caplog.records] == ["something else"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="edgefl.server"):  # (another test may have raised the logger's level)
@@ -79,3 +83,48 @@ def test_an_asynchronous_record_is_printed_as_updates_with_who_reported():
                        "round_time_s": 1.25, "filters": {"local-dp": {"epsilon_max": 5.4, "delta": 1e-5}}})
     line = buffer.getvalue().strip()
     assert line == "update 3/12: 3 reports from 2 devices (client-0, client-2), acc 0.5000, 1.2s, local-dp epsilon 5.4 (delta 1e-05)", line
+
+
+MISSHAPEN = """
+import torch
+from edgefl.algorithms.fedavg import FedAvgClient
+from edgefl.methods import MethodSpec, register_method
+
+
+class MisshapenClient(FedAvgClient):
+    \"\"\"FedAvg, but client-1 uploads one tensor in the wrong shape (the server refuses it).\"\"\"
+
+    def fit(self, downlink, round_no):
+        reply = super().fit(downlink, round_no)
+        if self.client_id == "client-1":
+            reply.tensors[next(iter(reply.tensors))] = torch.zeros(3, 3)
+        return reply
+
+
+register_method(MethodSpec("misshapen", "fedavg with a misshapen upload", "misshapen:MisshapenClient",
+                           "edgefl.server.methods.fedavg:FedAvgServer", "edgefl.algorithms.fedavg:FedAvgOptions",
+                           uploads=("weights",), downloads=("weights",)))
+"""
+
+
+def test_a_simulation_prints_a_refusal_once(tmp_path):
+    """The server's "rejected from" line and the device's "upload refused" told one refusal twice
+    on a simulation's console (both halves log to it): the server's line stays, naming the device."""
+    (tmp_path / "misshapen.py").write_text(MISSHAPEN)
+    (tmp_path / "run.toml").write_text('''name = "misshapen"
+seed = 0
+rounds = 2
+[method]
+name = "misshapen"
+[data]
+dataset = "digits"
+[fleet]
+groups = [ { model = "mlp", count = 3, options = { hidden = [16] } } ]
+''')
+    env = {k: v for k, v in os.environ.items() if k != "EDGEFL_PLUGINS"}
+    env["EDGEFL_PLUGINS"] = str(tmp_path / "misshapen.py")
+    done = subprocess.run([sys.executable, "-m", "edgefl", "simulate", "run.toml", "--out", "run", "--quiet"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=240)
+    said = done.stdout + done.stderr
+    assert said.count("rejected from client-1:") == 2, said  # one a round
+    assert "upload refused" not in said, said
