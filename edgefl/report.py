@@ -343,7 +343,8 @@ def accuracy_table(run: RunDir) -> Table:
         at = "" if against["round"] == (evaluated[-1]["round"] if evaluated else None) else f" (round {against['round']})"
         table.add_column(f"{BASELINE_LABEL}{at}", justify="right")
         table.add_column("gain (points)", justify="right")
-    if not evaluated:
+    if not evaluated:  # (every round failed, or none was evaluated yet): said in the table, not an empty frame
+        table.add_row("no round was evaluated", "", "-", "-", *(["-", "-"] if against is not None else []))
         return table
     final = evaluated[-1]["accuracy"]
     if final.get("overall") is None:

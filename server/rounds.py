@@ -272,7 +272,7 @@ class SyncRounds(RoundPolicy):
                     self.on_event("extended", {"round": st.round, "reported": len(st.reported), "quorum": quorum})
                     continue
                 refused = len(st.rejected)  # a round whose every upload was refused should say so, not only "no quorum"
-                st.failure = (f"no quorum by the deadline ({len(st.reported)} of {quorum} reported"
+                st.failure = (f"no quorum by the deadline ({len(st.reported)} of {quorum} needed reported, {len(st.selected)} selected"
                               + (f"; {refused} upload(s) refused, the last: {st.rejected[-1][1][:200]}" if refused else "") + ")")
                 return "failed"
             self.endpoint.pump(min(remaining, 1.0))
@@ -362,6 +362,8 @@ class SyncRounds(RoundPolicy):
         receipt_status, reason = self._server_receipt(device, message)
         if receipt_status == "rejected":
             ep.refuse(device, env, reason)
+            if st is not None and message.round == current and device not in st.reported:  # its receipt says why, not "missing"
+                st.receipts[device] = f"refused: {reason[:300]}"
             return
         if receipt_status == "accepted" and closed and message.round == current:
             # an asynchronous method keeps knowledge that comes after its round closed, but the

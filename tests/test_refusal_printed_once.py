@@ -1,14 +1,17 @@
 """A refusal shows once on a fleet console: the server logs each refusal (for library users and
 simulations, which have no event printer) and the CLI's printer shows it as an event line; while
-the printer runs, the log's copy is dropped (an outside trial saw every refusal twice)."""
+the printer runs, the log's copy is dropped (an outside trial saw every refusal twice). A simulation
+prints the server's line, not the device's copy."""
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -107,10 +110,8 @@ register_method(MethodSpec("misshapen", "fedavg with a misshapen upload", "missh
 """
 
 
-def test_a_simulation_prints_a_refusal_once(tmp_path):
-    """The server's "rejected from" line and the device's "upload refused" told one refusal twice
-    on a simulation's console (both halves log to it): the server's line stays, naming the device."""
-    (tmp_path / "misshapen.py").write_text(MISSHAPEN)
+def _simulate_misshapen(tmp_path: Path, plugin: str) -> subprocess.CompletedProcess:
+    (tmp_path / "misshapen.py").write_text(plugin)
     (tmp_path / "run.toml").write_text('''name = "misshapen"
 seed = 0
 rounds = 2
@@ -125,6 +126,27 @@ groups = [ { model = "mlp", count = 3, options = { hidden = [16] } } ]
     env["EDGEFL_PLUGINS"] = str(tmp_path / "misshapen.py")
     done = subprocess.run([sys.executable, "-m", "edgefl", "simulate", "run.toml", "--out", "run", "--quiet"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=240)
+    return done
+
+
+def test_a_simulation_prints_a_refusal_once(tmp_path):
+    """The server's "rejected from" line and the device's "upload refused" told one refusal twice
+    on a simulation's console (both halves log to it): the server's line stays, naming the device."""
+    done = _simulate_misshapen(tmp_path, MISSHAPEN)
     said = done.stdout + done.stderr
+    assert done.returncode == 0, said
     assert said.count("rejected from client-1:") == 2, said  # one a round
     assert "upload refused" not in said, said
+
+
+def test_a_round_whose_uploads_were_all_refused_says_so_in_its_receipts_and_tables(tmp_path):
+    """Each refused device's receipt said "missing: no upload by the deadline" and the accuracy
+    table was an empty frame: the receipts give the refusal, the table says nothing was evaluated."""
+    done = _simulate_misshapen(tmp_path, MISSHAPEN.replace('if self.client_id == "client-1":', "if True:"))
+    said = done.stdout + done.stderr
+    assert done.returncode == 3, said  # failed rounds
+    assert "no round was evaluated" in said, said
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["outcome"] == "failed"
+    assert first["failure"].startswith("no quorum by the deadline (0 of 2 needed reported, 3 selected; 3 upload(s) refused"), first
+    assert all(r.startswith("refused: extractor.1.weight: (3, 3)") for r in first["receipts"].values()), first["receipts"]
