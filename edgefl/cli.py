@@ -374,7 +374,7 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
             console.print(f"  {safe(info['device'])} ready: {info.get('samples')} samples of its own ({info.get('validation')} held out)"
                           + (f", {safe(info['source'], 200)}" if info.get("source") else ""))
         elif kind == "declined":
-            console.print(f"  [yellow]{safe(info['device'])} declined[/]: {safe(info['reason'])}")
+            console.print(f"  [yellow]{safe(info['device'])} declined[/]: {safe(info['reason'], 500)}")  # whole: enrolment keeps 500 characters
         elif kind == "warning":
             console.print(f"  [yellow]{safe(info['device'])}[/]: {safe(info['reason'], 700)}")  # whole: the reason is the point
         elif kind == "round":

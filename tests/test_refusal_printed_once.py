@@ -150,3 +150,12 @@ def test_a_round_whose_uploads_were_all_refused_says_so_in_its_receipts_and_tabl
     assert first["outcome"] == "failed"
     assert first["failure"].startswith("no quorum by the deadline (0 of 2 needed reported, 3 selected; 3 upload(s) refused"), first
     assert all(r.startswith("refused: extractor.1.weight: (3, 3)") for r in first["receipts"].values()), first["receipts"]
+
+
+def test_a_decline_is_printed_whole():
+    """The fleet console cut a device's decline at 300 characters, mid-word: the server keeps 500, all printed."""
+    buffer = io.StringIO()
+    printer = _fleet_printer(Console(file=buffer, width=2000, color_system=None), 3, None, 1)
+    reason = "the server's task cannot be served by this device: " + "unknown method 'fedprox' " * 17
+    printer("declined", {"device": "client-0", "reason": reason[:500]})
+    assert reason[:500] in buffer.getvalue() and "..." not in buffer.getvalue()
