@@ -849,7 +849,10 @@ def _export_and_print(source, out_dir, formats, int8, batch, dynamic_batch, chan
         if created and Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()):
             Path(out_dir).rmdir()  # nothing was exported: no empty folder left behind
         err.print(f"[red]{len(failed)} of {total} models failed[/]: {', '.join(name for name, _ in failed)}")
-        raise typer.Exit(1)
+        from edgefl.exporters.export import NotItsDataset
+
+        # the data set passed fits none of the failed models: bad input (2), as a usage error is
+        raise typer.Exit(2 if all(isinstance(exc, NotItsDataset) for _, exc in failed) else 1)
 
 
 def _reason(exc: EdgeflError | OSError) -> str:

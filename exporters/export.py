@@ -99,6 +99,11 @@ def exporter_versions() -> dict[str, str | None]:
     return out
 
 
+class NotItsDataset(DataError):
+    """The data set the export was given does not fit the model (its input shape, its class
+    names, its view): the command's input is wrong, not the model (``edgefl export`` exits 2)."""
+
+
 def no_dataset_error(names: list[str]) -> DataError:
     """Models whose weights name no data set, and none given: what to pass."""
     return DataError(f"no dataset to check the export of {', '.join(names[:3])} on (the weights do not name one)",
@@ -132,19 +137,19 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         # the sidecar's labels come from the file, its accuracy from the data set's order: a phone
         # would name every answer wrongly
         differ = next(i for i, (a, b) in enumerate(zip(named, dataset.class_names)) if a != b)
-        raise DataError(f"{src.name} names its classes otherwise than {dataset.name}: class {differ} is "
+        raise NotItsDataset(f"{src.name} names its classes otherwise than {dataset.name}: class {differ} is "
                         f"{named[differ][:60]!r} in the file, {dataset.class_names[differ][:60]!r} in the data set",
                         hint="pass the data set the model was trained on (--dataset); if it is, the file's class_names were changed "
                              "after edgefl wrote it: restore it from a copy")
     view = device_view(src, dataset)
     raw_shape = tuple(dataset.x_test.shape[1:])
     if view is not None and tuple(view.input_shape) != raw_shape:
-        raise DataError(f"{src.name} was trained on a view of inputs of shape {list(view.input_shape)}, but {dataset.name} has {list(raw_shape)}",
+        raise NotItsDataset(f"{src.name} was trained on a view of inputs of shape {list(view.input_shape)}, but {dataset.name} has {list(raw_shape)}",
                         hint="pass the dataset the model was trained on (--dataset)")
     if view is None and raw_shape != tuple(src.input_shape):
         older = ("; a device's model trained on a view of the data (fleet.groups[].view) records it from this version on: export "
                  "that run's models again after re-running it") if src.client_id and not src.run_id else ""  # a fleet device's file is newer
-        raise DataError(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
+        raise NotItsDataset(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
                         hint=f"pass the dataset the model was trained on (--dataset){older}")
     # parity (the files against PyTorch) on any real samples; accuracy on samples the model never trained on
     parity_idx = torch.randperm(len(dataset.y_test), generator=torch.Generator().manual_seed(0))[:parity_samples].sort().values
@@ -153,7 +158,7 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
     if src.held_out is not None:  # a pooled run: its devices trained on part of the test split, never on what they held out
         x_pool, y_pool = torch.cat([dataset.x_train, dataset.x_test]), torch.cat([dataset.y_train, dataset.y_test])
         if max(src.held_out) >= len(y_pool):
-            raise DataError(f"{src.name} was judged on samples up to {max(src.held_out)} of {dataset.name}'s train and test splits, "
+            raise NotItsDataset(f"{src.name} was judged on samples up to {max(src.held_out)} of {dataset.name}'s train and test splits, "
                             f"which hold {len(y_pool)}",
                             hint="pass the dataset the model was trained on (--dataset); if it is, the file's held_out_indices were changed "
                                  "after edgefl wrote it")
@@ -183,7 +188,7 @@ def device_view(src: ModelSource, dataset: Dataset) -> View | None:
     try:
         return make_view(src.view_settings, tuple(dataset.x_test.shape[1:]), src.seed, src.client_id)
     except ConfigError as exc:
-        raise DataError(f"{src.name}: its view does not fit {dataset.name}: {exc}", hint="pass the dataset the model was trained on (--dataset)") from None
+        raise NotItsDataset(f"{src.name}: its view does not fit {dataset.name}: {exc}", hint="pass the dataset the model was trained on (--dataset)") from None
 
 
 _VIEW_STEPS = {

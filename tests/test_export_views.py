@@ -155,8 +155,9 @@ def test_an_export_that_writes_nothing_leaves_no_empty_folder(chfl_run, tmp_path
 
     run = tmp_path / "run"
     shutil.copytree(chfl_run, run)
+    # (exit 2: the data set passed fits no model, bad input)
     res = edgefl("export", str(run), "--format", "onnx", "--dataset", "digits", timeout=600)
-    assert res.returncode == 1 and "was trained on a view of inputs of shape [30], but digits has [1, 8, 8]" in res.stderr
+    assert res.returncode == 2 and "was trained on a view of inputs of shape [30], but digits has [1, 8, 8]" in res.stderr
     assert not (run / "export").exists()
 
 
