@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from edgefl.errors import EdgeflError, PayloadError
 from edgefl.userdirs import check_writable
 from edgefl.safejson import loads
+from edgefl.rundir import write_model_file
 from edgefl.transport.envelope import unpack
 
 STATE_JSON = "state.json"
@@ -138,10 +139,9 @@ class DeviceStateStore:
         """Write the device's final model (``model.safetensors``, metadata as a run directory's model
         files carry it: each value JSON) and return its path."""
         path = self.directory / MODEL
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, lambda p: save_file(tensors, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
+            _atomic_write(path, lambda p: write_model_file(p, state, meta))
         except (OSError, SafetensorError) as exc:
             raise EdgeflError(f"cannot save the device's model in {self.directory}: {getattr(exc, 'strerror', None) or exc}",
                               hint="free some space or pass a writable --state-dir") from None

@@ -118,9 +118,42 @@ class RunDir:
 
     def save_model(self, name: str, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
         path = self.path / "models" / f"{name}.safetensors"
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(tensors, str(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+        write_model_file(path, state, meta)
         return path
+
+
+def write_model_file(path: str | Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """A model file: the weights, and ``meta`` as safetensors metadata (each value JSON). The same
+    weights and metadata give the same bytes: safetensors writes metadata in its hash map's order,
+    which changes from process to process, so the header is written again with the keys sorted
+    (same-seed runs' model files then have the same SHA-256)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(path), metadata={k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
+    _sort_metadata(Path(path))
+
+
+def _sort_metadata(path: Path) -> None:
+    """Rewrite a safetensors file's header with ``__metadata__`` in key order. By hand: safetensors
+    has no option for it. The header is JSON after an 8-byte little-endian length; tensor offsets
+    count from the end of the header, so a header of the same length is rewritten in place."""
+    with open(path, "r+b") as fh:
+        length = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(length))
+        meta = header.get("__metadata__")
+        if not meta:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= length:  # (always, but for a JSON escape written shorter by safetensors than here)
+            fh.seek(8)
+            fh.write(text.ljust(length, b" "))  # trailing spaces are the format's own padding
+            return
+        fh.seek(8 + length)
+        data = fh.read()
+        padded = text.ljust(-(-len(text) // 8) * 8, b" ")
+        fh.seek(0)
+        fh.write(len(padded).to_bytes(8, "little") + padded + data)
+        fh.truncate()
 
 
 def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -145,11 +145,13 @@ def test_a_state_folder_that_refuses_writes_is_one_error_with_what_to_do(tmp_pat
     from safetensors import SafetensorError
 
     import edgefl.device_state as device_state
+    import edgefl.rundir as rundir
 
     def refuse(*args, **kwargs):
         raise SafetensorError("Error while serializing: IoError(Os { code: 1, kind: PermissionDenied })")
 
     monkeypatch.setattr(device_state, "save_file", refuse)
+    monkeypatch.setattr(rundir, "save_file", refuse)  # the model file's writer
     store = DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64)
     for save in (lambda: store.save(1, "run-a", {"w": torch.ones(2)}, b"x"), lambda: store.save_model({"w": torch.ones(2)}, {})):
         with pytest.raises(EdgeflError) as caught:
@@ -175,7 +177,7 @@ def test_a_model_that_cannot_be_written_at_the_runs_end_is_one_line_and_the_devi
 
     from safetensors import SafetensorError
 
-    import edgefl.device_state as device_state
+    import edgefl.rundir as rundir
     from edgefl.fleet.launcher import save_final_model
 
     store = _save(tmp_path, run="run-a", round_no=3)
@@ -188,7 +190,7 @@ def test_a_model_that_cannot_be_written_at_the_runs_end_is_one_line_and_the_devi
     def refuse(*args, **kwargs):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
-    monkeypatch.setattr(device_state, "save_file", refuse)
+    monkeypatch.setattr(rundir, "save_file", refuse)  # the model file's writer
     assert save_final_model(loop, {"model": "mlp"}, said.append) is None  # said, never raised: the run is over
     assert len(said) == 2 and "could not be saved" in said[1] and "StorageFull" in said[1]
     assert DeviceStateStore(tmp_path, "client-0", "fed", "a" * 64).load()[:2] == (3, "run-a")  # the round's state kept

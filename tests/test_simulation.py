@@ -36,6 +36,17 @@ def test_same_seed_same_numbers(method):
     assert accuracies(a.history) != accuracies(c.history)
 
 
+def test_same_seed_same_model_files(tmp_path):
+    """Byte for byte, so a model's SHA-256 identifies it: safetensors wrote the metadata keys in a
+    hash map's order, different from one file to the next."""
+    for out in ("a", "b"):
+        run(digits_config("fedavg", rounds=1), tmp_path / out)
+    files = sorted(p.name for p in (tmp_path / "a" / "models").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (tmp_path / "b" / "models").glob("*.safetensors"))
+    for name in files:
+        assert (tmp_path / "a" / "models" / name).read_bytes() == (tmp_path / "b" / "models" / name).read_bytes(), name
+
+
 def test_run_directory_contents(tmp_path):
     sim, summary = run(digits_config("fedhe", rounds=3, eval={"every": 2}), tmp_path / "run")
     root = tmp_path / "run"
