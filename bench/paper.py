@@ -13,7 +13,9 @@ several machines:
 * a cell whose run finished is not run again;
 * a cell that was stopped (Ctrl-C, a closed session, a lent GPU handed back) resumes from its last
   checkpoint (``simulation.checkpoint_every``, and every stop) with the numbers an uninterrupted
-  run gives (``edgefl simulate --resume``);
+  run gives (``edgefl simulate --resume``); CHFL's cells, seconds long, keep no checkpoint and run again;
+* a finished cell that ran with another config (another ``--set``) is refused, not counted: a smoke
+  run's cells belong in a folder of their own;
 * copy OUT to another machine with the same data and the same command goes on there.
 
 After the cells (or with ``--report-only``, from whatever cells are done) it prints the paper's row
@@ -30,7 +32,7 @@ often than every round is probed evaluating every third round, so that an evalua
 ``mean_eval_s`` is null.
 
 ``--scale paper`` is the papers' setting (for a GPU: it is days of CPU time); ``--scale cpu`` keeps
-every choice but the length, the number of devices and the models' width. docs/benchmarks.md
+every choice but the length, the number of devices, the models' width and the local epochs. docs/benchmarks.md
 says which rows were measured where; a row no GPU ran stays "not measured".
 """
 
@@ -51,14 +53,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 import tomli_w
-from common import RESULTS, save_figure
-
-from edgefl.config import apply_overrides
-from edgefl.environment import machine, package_versions, source_commit
-from edgefl.errors import EdgeflError
-from edgefl.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
+# the cells run `python -m edgefl` from this checkout: the driver imports the same edgefl (not a
+# shared environment's editable install of another checkout), so table.json's commit is theirs
+sys.path.insert(0, str(ROOT))
+
+from common import RESULTS, save_figure  # noqa: E402
+
+from edgefl.config import apply_overrides  # noqa: E402
+from edgefl.environment import machine, package_versions, source_commit  # noqa: E402
+from edgefl.errors import EdgeflError  # noqa: E402
+from edgefl.rundir import RunDir  # noqa: E402
+
 RESNETS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
 
 
@@ -260,6 +267,37 @@ def _finished(run: Path) -> bool:
     return bool(s) and not s.get("interrupted") and s.get("rounds_played") == s.get("rounds")
 
 
+def _asked(cell: Cell, device: str, overrides: list[str]) -> dict[str, Any]:
+    """The config a cell runs with: the table's, the device and the --set overrides."""
+    return apply_overrides(dict(cell.config, device=device), overrides)
+
+
+def ran_otherwise(cell: Cell, out: Path, device: str, overrides: list[str]) -> str | None:
+    """How the config a cell's run directory holds differs from the one asked for now (None: the
+    same, or nothing run yet). The compute device is not compared: a table may be filled on a CPU
+    and a GPU. A cell run with another --set (a smoke run) must not stand in for the table's cell."""
+    from edgefl.config import load_config, validate_config
+
+    saved = out / cell.key / "config.toml"
+    if not saved.is_file():
+        return None
+    try:
+        had = load_config(saved).to_dict()
+    except EdgeflError as exc:
+        return f"its config.toml cannot be read ({exc.message[:120]})"
+    want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
+    differ = [f"{key}: {a!r} there, {b!r} asked" for key, a, b in _differences(had, want) if key != "device"]
+    return "; ".join(differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "") if differ else None
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, a's value, b's value) wherever two configs differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for key in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))]
+    return [] if a == b else [(prefix or "(config)", a, b)]
+
+
 def _simulate_command(config: dict[str, Any], cfg_path: Path, run: Path) -> list[str]:
     """``edgefl simulate`` of ``config`` (written to ``cfg_path``) into ``run``."""
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -267,13 +305,14 @@ def _simulate_command(config: dict[str, Any], cfg_path: Path, run: Path) -> list
     return [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
 
 
-def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
-    """``edgefl simulate`` for one cell: skipped when finished, resumed when a checkpoint is there."""
+def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> tuple[int, bool]:
+    """``edgefl simulate`` for one cell: skipped when finished, resumed when a checkpoint is there.
+    (its exit status, whether a stop was asked for while it ran)"""
     run = out / cell.key
-    config = apply_overrides(dict(cell.config, device=device), overrides)
+    config = _asked(cell, device, overrides)
     if _finished(run):
         print(f"{cell.key}: finished earlier ({run})", flush=True)
-        return 0
+        return 0, False
     cmd = _simulate_command(config, out / "configs" / f"{cell.key}.toml", run)
     if (run / "server-state.safetensors").is_file():
         cmd.append("--resume")
@@ -287,7 +326,7 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> int:
     return _run_forwarding_stops(cmd)
 
 
-def _run_forwarding_stops(cmd: list[str]) -> int:
+def _run_forwarding_stops(cmd: list[str]) -> tuple[int, bool]:
     """Run a cell's ``edgefl simulate`` and pass it each Ctrl-C, SIGTERM or SIGHUP this driver gets, once: the
     first makes it finish its round and checkpoint, a second stops it at once. It runs in a session of
     its own, so a terminal's Ctrl-C reaches it only through here (not twice), and this driver waits for
@@ -306,7 +345,7 @@ def _run_forwarding_stops(cmd: list[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 130 if stops else code
+    return code, bool(stops)  # (a stop that came as the cell ended leaves it finished: its status says so)
 
 
 def _duration(seconds: float) -> str:
@@ -341,7 +380,7 @@ def probe_cell(cell: Cell, out: Path, device: str, overrides: list[str], seconds
     run = out / "probe" / cell.key
     shutil.rmtree(run, ignore_errors=True)
     run.parent.mkdir(parents=True, exist_ok=True)
-    config = apply_overrides(dict(cell.config, device=device), overrides)
+    config = _asked(cell, device, overrides)
     every = int((config.get("eval") or {}).get("every", 1) or 1)
     # while probing, evaluate every third round: two plain rounds are timed first, then an evaluation
     # (the estimate uses the cell's own interval)
@@ -432,14 +471,19 @@ def _commit() -> str:
 
 
 def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
-           seeds: list[int] | None = None) -> dict[str, Any]:
+           seeds: list[int] | None = None, report_only: bool = False) -> dict[str, Any]:
     got: dict[tuple[str, str], list[float]] = {}
     asked: dict[tuple[str, str], int] = {}
     done: list[dict[str, Any]] = []
     missing: list[str] = []
     partial: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    otherwise: dict[str, str] = {}
     for cell in cells:
         asked[cell.row, cell.column] = asked.get((cell.row, cell.column), 0) + 1
+        why = ran_otherwise(cell, out, device, overrides)
+        if why:  # (--report-only without the --set the cell ran with): not this table's cell
+            otherwise[cell.key] = why
+            continue
         s = _summary(out / cell.key)
         if not s or s.get("interrupted"):
             if s:  # stopped part-way: said as such, not as a cell never started
@@ -454,7 +498,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                 got.setdefault((row, cell.column), []).append(100 * value)
         done.append({"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
                      "accuracy": values, "run": str(out / cell.key), "compute_device": s.get("compute_device"),
-                     "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine")})
+                     "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine"), "commit": s.get("edgefl_commit")})
+    other_at = {(c.row, c.column) for c in cells if c.key in otherwise}
     rows = list(dict.fromkeys([c.row for c in cells] + [r for r, _ in got] + [r for r, _ in table.paper]))
     print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; the paper's numbers: {table.paper_source}")
     if overrides:
@@ -465,7 +510,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
             mine, theirs = got.get((row, column), []), table.paper.get((row, column))
             stopped = partial.get((row, column), [])
             ours = (f"{statistics.fmean(mine):.2f}" + (f"+-{statistics.stdev(mine):.2f}" if len(mine) > 1 else "")) if mine else \
-                (f"stopped at {stopped[0]['rounds_played']}/{stopped[0]['rounds']}" if stopped else "not run")
+                (f"stopped at {stopped[0]['rounds_played']}/{stopped[0]['rounds']}" if stopped else
+                 "other config" if (row, column) in other_at else "not run")
             if mine and len(mine) < asked.get((row, column), 0):  # a mean over fewer seeds than asked for says so
                 ours += f" [{len(mine)} of {asked[row, column]} seeds]"
             shown[row, column] = f"{ours} ({'-' if theirs is None else f'{theirs:.2f}'})"
@@ -478,43 +524,65 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     for row in rows:
         print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
     print("(ours, paper's in brackets; mean +- sd over seeds)")
+    if otherwise:
+        print(f"not counted: {len(otherwise)} cell(s) ran with another config than asked: "
+              + "; ".join(f"{key} ({why})" for key, why in list(otherwise.items())[:3]) + " (pass the --set they ran with)")
     if missing or partial:
         print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way "
-              "(the same command without --report-only goes on)")
+              + ("(the same command without --report-only goes on)" if report_only else "(the same command goes on)"))
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
                "missing": missing, "partial": [p for v in partial.values() for p in v],
                "device": device, "compute_devices": sorted({str(d["compute_device"]) for d in done if d.get("compute_device")}),
-               "overrides": overrides, "rows": lines, "cells": done, "commit": _commit(), "machine": machine(),
+               "overrides": overrides, "rows": lines, "cells": done, "not_counted": otherwise,
+               # the code each cell ran (cells filled over several sittings may differ) and this report's
+               "cell_commits": sorted({str(d["commit"]) for d in done if d.get("commit")}), "commit": _commit(), "machine": machine(),
                "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
     (out / "table.json").write_text(json.dumps(payload, indent=2, default=str))
     print(f"wrote {out / 'table.json'}")
-    figure = plot(table, lines, out / "table.png", scale)
+    figure = plot(table, lines, out / "table.png", scale, _setting(_asked(cells[0], device, overrides)) if cells else "", overrides)
     print(f"wrote {figure}")
     return payload
 
 
-def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str) -> Path:
+def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str, setting: str = "",
+         overrides: list[str] | None = None) -> Path:
+    """The table as bars, ours (mean over seeds, +- sd when there are several) beside the paper's;
+    the title says at which scale and setting ours ran, a cell not run is marked so."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = list(dict.fromkeys(ln["row"] for ln in lines))
-    fig, axes = plt.subplots(1, len(table.columns), figsize=(3.2 * len(table.columns) + 1, 3.6), squeeze=False, sharey=True)
+    width = 3.4 * len(table.columns) + 1.5
+    fig, axes = plt.subplots(1, len(table.columns), figsize=(width, 4.6), squeeze=False, sharey=True)
+    ours_label = f"edgefl, --scale {scale}" + (" with --set (a smoke run)" if overrides else "")
     for ax, column in zip(axes[0], table.columns):
-        mine = [next((ln["ours_mean"] for ln in lines if ln["row"] == r and ln["column"] == column), None) for r in rows]
+        found = [next((ln for ln in lines if ln["row"] == r and ln["column"] == column), None) for r in rows]
+        mine = [ln["ours_mean"] if ln else None for ln in found]
+        spread = [statistics.stdev(ln["ours"]) if ln and len(ln["ours"]) > 1 else 0.0 for ln in found]
         theirs = [table.paper.get((r, column)) for r in rows]
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [v or 0 for v in mine], 0.4, label=f"edgefl ({scale})", color="C0")
+        xs = list(range(len(rows)))
+        ax.bar([x - 0.2 for x in xs], [v or 0 for v in mine], 0.4, yerr=spread if any(spread) else None, capsize=3, label=ours_label, color="C0")
         ax.bar([x + 0.2 for x in xs], [v or 0 for v in theirs], 0.4, label=table.paper_source, color="C7")
-        ax.set_xticks(list(xs), rows, rotation=35, ha="right", fontsize=8)
+        for x, value in zip(xs, mine):
+            if value is None:  # a blank bar would read as 0 %
+                ax.text(x - 0.2, 2, "not run", rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
+        ax.set_xticks(xs, rows, rotation=35, ha="right", fontsize=8)
         ax.set_title(column, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("accuracy (%)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(table.title, fontsize=9)
+    axes[0][0].set_ylim(0, 130)  # room above 100 % for the legend: it covered bars in a corner
+    axes[0][0].set_yticks(range(0, 101, 20))
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    title = table.title + (f"\nedgefl ran at --scale {scale}: {setting}" if setting else "") \
+        + (f"; --set {', '.join(overrides)}" if overrides else "")
+    # wrapped to the figure's width (about 15 characters an inch at 8 points): a long title was cut off at both sides
+    fig.suptitle("\n".join(textwrap.fill(part, int(width * 15)) for part in title.split("\n")), fontsize=8)
     return save_figure(fig, path)
 
 
@@ -566,7 +634,7 @@ def _check_cells(ap: argparse.ArgumentParser, cells: list[Cell], device: str, ov
 
     for cell in cells:
         try:
-            validate_config(apply_overrides(dict(cell.config, device=device), overrides), cell.key)
+            validate_config(_asked(cell, device, overrides), cell.key)
         except EdgeflError as exc:
             ap.error(f"{exc}" + (f" (hint: {exc.hint})" if getattr(exc, "hint", None) else ""))
     if device == "cuda":
@@ -574,6 +642,17 @@ def _check_cells(ap: argparse.ArgumentParser, cells: list[Cell], device: str, ov
 
         if not torch.cuda.is_available():
             ap.error("--device cuda, but torch sees no CUDA device on this machine: --device auto (or cpu) runs here")
+
+
+def _stopped_line(cell: Cell, out: Path, code: int) -> str:
+    """What a stop during ``cell`` left, and what the same command does next."""
+    if code == 0 and _finished(out / cell.key):
+        return f"stopped as {cell.key} finished: the same command goes on with the next cell"
+    if (out / cell.key / "server-state.safetensors").is_file():
+        return f"stopped during {cell.key}: the same command resumes it from its checkpoint"
+    every = (cell.config.get("simulation") or {}).get("checkpoint_every")
+    why = "its cells keep no checkpoint (each is seconds long)" if every == 0 else "it stopped before its first checkpoint"
+    return f"stopped during {cell.key}: {why}, so the same command runs it again from the start"
 
 
 def main() -> None:
@@ -626,6 +705,13 @@ def main() -> None:
         ap.error("--probe runs cells and --report-only runs none: give one of them")
     if not args.report_only:
         _check_cells(ap, cells, args.device, args.overrides)
+        if args.probe is None:
+            otherwise = [(c.key, why) for c in cells if (why := ran_otherwise(c, out, args.device, args.overrides))]
+            if otherwise:
+                ap.error(f"{len(otherwise)} cell(s) in {out} ran with another config than this command's: "
+                         + "; ".join(f"{key} ({why})" for key, why in otherwise[:3])
+                         + ". A finished cell is not run again, so it would stand in this table as it is: give this run its own "
+                           "--out (a smoke run's --set belongs in a folder of its own), or pass the --set it ran with")
     out.mkdir(parents=True, exist_ok=True)
     if args.probe is not None:
         try:
@@ -638,14 +724,14 @@ def main() -> None:
     if not args.report_only:
         for i, cell in enumerate(cells, 1):
             print(f"[{i}/{len(cells)}] {cell.key}", flush=True)
-            code = run_cell(cell, out, args.device, args.overrides)
-            if code == 130:
-                print(f"stopped during {cell.key}: the same command resumes it", flush=True)
+            code, stopped = run_cell(cell, out, args.device, args.overrides)
+            if stopped or code == 130:
+                print(_stopped_line(cell, out, code), flush=True)
                 report(args.table, table, cells, out, args.scale, args.device, args.overrides, seeds)
                 raise SystemExit(130)
             if code != 0:
                 failed.append((cell.key, code))
-    report(args.table, table, cells, out, args.scale, args.device, args.overrides, seeds)
+    report(args.table, table, cells, out, args.scale, args.device, args.overrides, seeds, args.report_only)
     if failed:
         raise SystemExit(f"cells that failed: {', '.join(f'{k} (exit {c})' for k, c in failed)}; their run directories say why")
 

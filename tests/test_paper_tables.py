@@ -66,11 +66,19 @@ def test_a_table_runs_its_cells_skips_the_finished_ones_and_records_the_paper_be
     assert table["seeds"] == [0] and table["missing"] == [] and table["partial"] == []
     # the report of more seeds than were run says how many each mean stands on, and which cells are missing
     more = subprocess.run([sys.executable, str(ROOT / "bench" / "paper.py"), "chfl", "--out", str(out), "--cells",
-                           "chfl-iid-s0,chfl-iid-s1", "--seeds", "0,1", "--report-only"], capture_output=True, text=True, timeout=120)
+                           "chfl-iid-s0,chfl-iid-s1", "--seeds", "0,1", "--report-only", "--set", "rounds=3"], capture_output=True, text=True, timeout=120)
     assert more.returncode == 0, more.stderr[-2000:]
     assert "[1 of 2 seeds]" in more.stdout and "1 cell(s) not started" in more.stdout
     table = json.loads((out / "table.json").read_text())
     assert table["seeds"] == [0, 1] and table["missing"] == ["chfl-iid-s1"]
+    assert table["cells"][0]["commit"] and table["cell_commits"]  # the code each cell ran
+    # the cells ran with --set rounds=3 (a smoke run): the table's own command does not take them as its cells
+    plain = subprocess.run(cmd[:-2], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert plain.returncode == 2 and "ran with another config than this command's" in plain.stderr, plain.stderr[-2000:]
+    assert "rounds: 3 there, 60 asked" in plain.stderr and "finished earlier" not in plain.stdout
+    told = subprocess.run([*cmd[:-2], "--report-only"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert told.returncode == 0 and "not counted: 2 cell(s) ran with another config" in told.stdout, told.stdout
+    assert json.loads((out / "table.json").read_text())["rows"][0]["ours"] == []
 
 
 def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
@@ -197,7 +205,7 @@ def test_a_stopped_table_run_waits_for_its_cell_to_checkpoint(tmp_path, whom):
         proc.send_signal(signal.SIGINT)
     printed, _ = proc.communicate(timeout=240)
     assert proc.returncode == 130, printed[-3000:]
-    assert "stopped during chfl-iid-s0: the same command resumes it" in printed
+    assert "stopped during chfl-iid-s0: the same command resumes it from its checkpoint" in printed
     run = out / "chfl-iid-s0"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] and summary["rounds_played"] >= 2
