@@ -90,7 +90,7 @@ import torch.nn.functional as F
 from common import RESULTS, accuracy_logger, load, plot_curves, save
 
 from edgefl.build import build_run
-from edgefl.environment import machine
+from edgefl.environment import machine, source_commit
 from edgefl.config import validate_config
 from edgefl.sim import Simulation
 
@@ -545,7 +545,8 @@ def main() -> None:
         t0 = time.perf_counter()
         results[label] = job()
         results[label]["seconds"] = round(time.perf_counter() - t0)
-        results[label]["machine"] = machine()  # sittings may run on other machines
+        results[label]["machine"] = machine()  # sittings may run on other machines (and code)
+        results[label]["edgefl_commit"] = source_commit()
         torch.set_num_threads(args.threads)
         log(f"{label}: {results[label]['own']:.4f} in {results[label]['seconds']} s")
         record(complete=False)

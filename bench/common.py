@@ -15,7 +15,7 @@ import torch
 
 from edgefl.config import validate_config
 from edgefl.data import load_dataset
-from edgefl.environment import machine, package_versions
+from edgefl.environment import machine, package_versions, source_commit
 from edgefl.sim import Simulation
 
 RESULTS = Path(__file__).parent / "results"
@@ -42,6 +42,7 @@ def save(name: str, payload: dict[str, Any]) -> Path:
         **payload,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
+        "edgefl_commit": source_commit(),  # the code that made the numbers ("-dirty": with uncommitted changes)
         "versions": package_versions(),
         "platform": platform.platform(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
