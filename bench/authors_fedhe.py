@@ -48,6 +48,7 @@ import argparse
 import copy
 import glob
 import os
+import importlib.util
 import sys
 import tempfile
 import time
@@ -56,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import accuracy_logger, load, save
+from common import accuracy_logger, checkout_problem, load, save
 
 from edgefl.build import build_run
 from edgefl.config import preset_text, validate_config
@@ -174,6 +175,10 @@ class _TFArray(np.ndarray):
 
     def __iadd__(self, other):
         return np.add(self, other)
+
+
+#: what of the authors' checkout this script runs (checked before any training)
+AUTHORS_FILES = ("main.py", "parameters.py", "modules/Client.py", "modules/Dataset.py", "modules/Server.py")
 
 
 def install_tensorflow_shim(fashion: tuple, seed: int) -> None:
@@ -326,7 +331,7 @@ def run_authors(args, ds, parts_by_model: dict[int, np.ndarray], test_idx: np.nd
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--authors-dir", required=True, type=Path, help="a checkout of github.com/ChanYunHin/FedHe")
+    p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/ChanYunHin/FedHe (not needed with --no-authors)")
     p.add_argument("--iterations", type=int, default=501, help="server updates = client trainings (authors: --epoch); "
                                                                 "100k+1 ends on one of their evaluations")
     p.add_argument("--seed", type=int, default=0)
@@ -344,6 +349,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tag", default="")
     args = p.parse_args()
+    if not args.no_authors:  # said before any training, not after the edgefl side's minutes
+        if args.authors_dir is None:
+            p.error("--authors-dir is needed for the authors' run (git clone https://github.com/ChanYunHin/FedHe), "
+                    "or --no-authors for edgefl's runs only")
+        if problem := checkout_problem(args.authors_dir.resolve(), AUTHORS_FILES, "ChanYunHin/FedHe"):
+            p.error(problem)
+        if importlib.util.find_spec("keras") is None:
+            p.error("the authors' FedHe needs Keras 3 here (pip install keras; TensorFlow is replaced by Keras on PyTorch), "
+                    "or --no-authors for edgefl's runs only")
     if args.test_samples % 2500 or not 2500 <= args.test_samples <= 10000:
         p.error("--test-samples must be 2500, 5000, 7500 or 10000")
     variants = [v for v in args.variants.split(",") if v]

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import load, save
+from common import checkout_problem, load, save
 from fedmho_table4 import _average_accuracy, fit, fuse
 from torch import nn
 
@@ -368,6 +368,10 @@ def run_authors(args, ds, shared: dict, stdout) -> dict:
 
 # --- the comparison ----------------------------------------------------------------------------
 
+#: what of the authors' checkout this script imports (checked before any training)
+AUTHORS_FILES = ("parameters.py", "pcode/aggregation/fedavg.py", "pcode/aggregation/semi_supervised.py", "pcode/create_dataset.py",
+                 "pcode/create_model.py", "pcode/datasets/partition_data.py", "pcode/worker_lmf.py")
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--authors-dir", required=True, type=Path, help="a checkout of github.com/YXShi2000/FedMHO")
@@ -389,6 +393,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tag", default="")
     args = p.parse_args()
+    if problem := checkout_problem(args.authors_dir.resolve(), AUTHORS_FILES, "YXShi2000/FedMHO"):
+        p.error(problem)  # before the edgefl side trains (minutes), not after it
     if args.synthetic < 1000:
         p.error("--synthetic must be at least 1000: the authors' data_clean shows 64 kept samples of every class")
     torch.set_num_threads(args.threads)

@@ -88,6 +88,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from common import RESULTS, accuracy_logger, load, plot_curves, save
+from common import checkout_problem as common_checkout_problem
 
 from edgefl.build import build_run
 from edgefl.environment import machine, source_commit
@@ -400,11 +401,7 @@ AUTHORS_FILES = ("modules/Server_op.py", "modules/Client_op.py", "modules/Server
 
 def checkout_problem(authors: Path) -> str | None:
     """Why ``authors`` cannot be run here, or None: checked before any data is loaded."""
-    missing = [f for f in AUTHORS_FILES if not (authors / f).is_file()]
-    if missing:
-        return (f"{authors} is not a checkout of github.com/ChanYunHin/Felo_Velo (missing {', '.join(missing)}); "
-                "git clone https://github.com/ChanYunHin/Felo_Velo and pass its folder")
-    return None
+    return common_checkout_problem(authors, AUTHORS_FILES, "ChanYunHin/Felo_Velo")
 
 
 SAME_RUN = ("iterations", "seed", "partition", "alpha", "width", "feature_dim", "test_samples", "curve")

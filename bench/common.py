@@ -36,6 +36,16 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def checkout_problem(authors: Path, files: tuple[str, ...], repo: str) -> str | None:
+    """Why ``authors`` is not a checkout of the authors' ``repo`` (github owner/name) that a
+    side-by-side script can run, or None: said before any training, with the clone command."""
+    missing = [f for f in files if not (authors / f).is_file()]
+    if not missing:
+        return None
+    where = f"{authors} does not exist" if not authors.exists() else f"{authors} is not a checkout of github.com/{repo} (missing {', '.join(missing)})"
+    return f"{where}; git clone https://github.com/{repo} and pass its folder as --authors-dir"
+
+
 def save(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     payload = {
