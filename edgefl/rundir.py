@@ -144,7 +144,7 @@ def _sort_metadata(path: Path) -> None:
             return
         header["__metadata__"] = dict(sorted(meta.items()))
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(text) <= length:  # (always, but for a JSON escape written shorter by safetensors than here)
+        if len(text) <= length:  # the usual case: the same keys and values, in another order
             fh.seek(8)
             fh.write(text.ljust(length, b" "))  # trailing spaces are the format's own padding
             return

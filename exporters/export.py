@@ -138,19 +138,19 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         # would name every answer wrongly
         differ = next(i for i, (a, b) in enumerate(zip(named, dataset.class_names)) if a != b)
         raise NotItsDataset(f"{src.name} names its classes otherwise than {dataset.name}: class {differ} is "
-                        f"{named[differ][:60]!r} in the file, {dataset.class_names[differ][:60]!r} in the data set",
-                        hint="pass the data set the model was trained on (--dataset); if it is, the file's class_names were changed "
-                             "after edgefl wrote it: restore it from a copy")
+                            f"{named[differ][:60]!r} in the file, {dataset.class_names[differ][:60]!r} in the data set",
+                            hint="pass the data set the model was trained on (--dataset); if it is, the file's class_names were changed "
+                                 "after edgefl wrote it: restore it from a copy")
     view = device_view(src, dataset)
     raw_shape = tuple(dataset.x_test.shape[1:])
     if view is not None and tuple(view.input_shape) != raw_shape:
         raise NotItsDataset(f"{src.name} was trained on a view of inputs of shape {list(view.input_shape)}, but {dataset.name} has {list(raw_shape)}",
-                        hint="pass the dataset the model was trained on (--dataset)")
+                            hint="pass the dataset the model was trained on (--dataset)")
     if view is None and raw_shape != tuple(src.input_shape):
         older = ("; a device's model trained on a view of the data (fleet.groups[].view) records it from this version on: export "
                  "that run's models again after re-running it") if src.client_id and not src.run_id else ""  # a fleet device's file is newer
         raise NotItsDataset(f"{src.name} takes inputs of shape {list(src.input_shape)}, but {dataset.name} has {list(raw_shape)}",
-                        hint=f"pass the dataset the model was trained on (--dataset){older}")
+                            hint=f"pass the dataset the model was trained on (--dataset){older}")
     # parity (the files against PyTorch) on any real samples; accuracy on samples the model never trained on
     parity_idx = torch.randperm(len(dataset.y_test), generator=torch.Generator().manual_seed(0))[:parity_samples].sort().values
     x_parity = dataset.x_test[parity_idx]
@@ -159,9 +159,9 @@ def prepare_inputs(src: ModelSource, dataset: Dataset | None, test_samples: int 
         x_pool, y_pool = torch.cat([dataset.x_train, dataset.x_test]), torch.cat([dataset.y_train, dataset.y_test])
         if max(src.held_out) >= len(y_pool):
             raise NotItsDataset(f"{src.name} was judged on samples up to {max(src.held_out)} of {dataset.name}'s train and test splits, "
-                            f"which hold {len(y_pool)}",
-                            hint="pass the dataset the model was trained on (--dataset); if it is, the file's held_out_indices were changed "
-                                 "after edgefl wrote it")
+                                f"which hold {len(y_pool)}",
+                                hint="pass the dataset the model was trained on (--dataset); if it is, the file's held_out_indices were changed "
+                                     "after edgefl wrote it")
         held = torch.tensor(src.held_out, dtype=torch.long)
         x_pool, y_pool = x_pool[held], y_pool[held]
     n_test = min(test_samples, len(y_pool))
