@@ -374,7 +374,7 @@ AUTHORS_FILES = ("parameters.py", "pcode/aggregation/fedavg.py", "pcode/aggregat
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--authors-dir", required=True, type=Path, help="a checkout of github.com/YXShi2000/FedMHO")
+    p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/YXShi2000/FedMHO")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration of edgefl's split (both sides)")
     p.add_argument("--width", type=float, default=0.25, help="VGG-9 width on both sides (paper: 1, 69 M parameters)")
@@ -393,6 +393,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tag", default="")
     args = p.parse_args()
+    if args.authors_dir is None:
+        p.error("--authors-dir is needed: git clone https://github.com/YXShi2000/FedMHO and pass its folder")
     if problem := checkout_problem(args.authors_dir.resolve(), AUTHORS_FILES, "YXShi2000/FedMHO"):
         p.error(problem)  # before the edgefl side trains (minutes), not after it
     if args.synthetic < 1000:

@@ -32,7 +32,9 @@ often than every round is probed evaluating every third round, so that an evalua
 ``mean_eval_s`` is null.
 
 ``--scale paper`` is the papers' setting (for a GPU: it is days of CPU time); ``--scale cpu`` keeps
-every choice but the length, the number of devices, the models' width and the local epochs. docs/benchmarks.md
+every choice but the length, the number of devices, the models' width, the local epochs and the
+data (600 images a device and a 2,000-image test subset where the paper's are larger; FedIN also
+trains a quarter of its devices a round, not a tenth): ``--list`` gives each table's setting. docs/benchmarks.md
 says which rows were measured where; a row no GPU ran stays "not measured".
 """
 
@@ -319,7 +321,9 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> tuple[
         print(f"{cell.key}: resuming its checkpoint in {run}", flush=True)
     elif run.exists():
         # stopped before its first checkpoint: nothing to go on from (its config and records are in the folder)
-        print(f"{cell.key}: {run} has no checkpoint yet: starting it again", flush=True)
+        never = (config.get("simulation") or {}).get("checkpoint_every") == 0
+        print(f"{cell.key}: {run} {'keeps no checkpoint (seconds long)' if never else 'has no checkpoint yet'}: starting it again",
+              flush=True)
         shutil.rmtree(run)
     else:
         print(f"{cell.key}: starting ({cell.row}, {cell.column}, seed {cell.seed})", flush=True)
@@ -516,7 +520,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                 ours += f" [{len(mine)} of {asked[row, column]} seeds]"
             shown[row, column] = f"{ours} ({'-' if theirs is None else f'{theirs:.2f}'})"
             lines.append({"row": row, "column": column, "ours": mine, "ours_mean": statistics.fmean(mine) if mine else None,
-                          "seeds_done": len(mine), "seeds_asked": asked.get((row, column), 0), "paper": theirs})
+                          "seeds_done": len(mine), "seeds_asked": asked.get((row, column), 0), "paper": theirs,
+                          "state": "done" if mine else "stopped" if stopped else "other config" if (row, column) in other_at
+                          else "not run"})
     label = max(len(r) for r in rows)
     width = max([len(c) for c in table.columns] + [len(v) for v in shown.values()])
     head = " " * label + "".join(f" | {c:>{width}s}" for c in table.columns)
@@ -528,8 +534,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
         print(f"not counted: {len(otherwise)} cell(s) ran with another config than asked: "
               + "; ".join(f"{key} ({why})" for key, why in list(otherwise.items())[:3]) + " (pass the --set they ran with)")
     if missing or partial:
-        print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way "
-              + ("(the same command without --report-only goes on)" if report_only else "(the same command goes on)"))
+        goes_on = ("the same command without --report-only goes on" + (", once the cells not counted are moved away" if otherwise else "")
+                   if report_only else "the same command goes on")
+        print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way ({goes_on})")
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
                "missing": missing, "partial": [p for v in partial.values() for p in v],
@@ -539,6 +546,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                "cell_commits": sorted({str(d["commit"]) for d in done if d.get("commit")}), "commit": _commit(), "machine": machine(),
                "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    if report_only and otherwise:  # (most likely the --set they ran with was left out): the folder's table stays as it was
+        print(f"{out / 'table.json'} and table.png not written: this report leaves out cells run with another config")
+        return payload
     (out / "table.json").write_text(json.dumps(payload, indent=2, default=str))
     print(f"wrote {out / 'table.json'}")
     figure = plot(table, lines, out / "table.png", scale, _setting(_asked(cells[0], device, overrides)) if cells else "", overrides)
@@ -567,11 +577,15 @@ def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str, sett
         spread = [statistics.stdev(ln["ours"]) if ln and len(ln["ours"]) > 1 else 0.0 for ln in found]
         theirs = [table.paper.get((r, column)) for r in rows]
         xs = list(range(len(rows)))
-        ax.bar([x - 0.2 for x in xs], [v or 0 for v in mine], 0.4, yerr=spread if any(spread) else None, capsize=3, label=ours_label, color="C0")
+        ax.bar([x - 0.2 for x in xs], [v or 0 for v in mine], 0.4, label=ours_label, color="C0")
+        with_sd = [(x - 0.2, v, sd) for x, v, sd in zip(xs, mine, spread) if sd]  # a cap only where several seeds give one
+        if with_sd:
+            ax.errorbar([x for x, _, _ in with_sd], [v for _, v, _ in with_sd], [sd for _, _, sd in with_sd], fmt="none",
+                        ecolor="black", capsize=3, linewidth=1)
         ax.bar([x + 0.2 for x in xs], [v or 0 for v in theirs], 0.4, label=table.paper_source, color="C7")
-        for x, value in zip(xs, mine):
+        for x, value, ln in zip(xs, mine, found):
             if value is None:  # a blank bar would read as 0 %
-                ax.text(x - 0.2, 2, "not run", rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
+                ax.text(x - 0.2, 2, ln["state"] if ln else "not run", rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
         ax.set_xticks(xs, rows, rotation=35, ha="right", fontsize=8)
         ax.set_title(column, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
@@ -597,12 +611,17 @@ def _setting(config: dict[str, Any]) -> str:
     picked = max(1, round(per_round * devices)) if per_round else devices
     length = (f"{rounds} rounds of one device each (the authors' iterations)" if picked == 1
               else "1 round (one-shot)" if rounds == 1 else f"{rounds} rounds")
-    return (f"{length}, {devices} devices" + (f", width {'/'.join(f'{w:g}' for w in widths)}" if widths else "")
-            + f", {'/'.join(str(e) for e in epochs)} local epoch(s)")
+    data = config.get("data") or {}
+    share = (f", {per_round:g} of them a round" if per_round and picked > 1 else "")
+    cut = ", ".join(([f"{data['samples_per_client']} images a device"] if data.get("samples_per_client") else [])
+                    + ([f"a {data['test_samples']:,}-sample test subset"] if data.get("test_samples") else []))
+    return (f"{length}, {devices} devices{share}" + (f", width {'/'.join(f'{w:g}' for w in widths)}" if widths else "")
+            + f", {'/'.join(str(e) for e in epochs)} local epoch(s)" + (f", {cut}" if cut else ""))
 
 
 SCALES = {"paper": "the paper's length, devices, widths and epochs: a GPU's work",
-          "cpu": "every choice of the paper's but length, devices, widths and epochs, cut to fit a 2-core CPU"}
+          "cpu": "every choice of the paper's but length, devices, widths, epochs and data (600 images a device, a 2,000-image "
+                 "test subset; FedIN: a quarter of the devices a round), cut to fit a 2-core CPU"}
 
 
 def _seeds(text: str, ap: argparse.ArgumentParser) -> list[int]:
@@ -683,7 +702,7 @@ def main() -> None:
                   f"\n  cells: {', '.join(c.key for c in listed)}")
         return
     table = TABLES[args.table]
-    cells = [c for s in seeds for c in table.cells(args.scale, s)]
+    cells = every_cell = [c for s in seeds for c in table.cells(args.scale, s)]  # the report covers every cell of the seeds
     if args.cells is not None:
         wanted = {k.strip() for k in args.cells.split(",")}
         if "" in wanted:
@@ -710,8 +729,9 @@ def main() -> None:
             if otherwise:
                 ap.error(f"{len(otherwise)} cell(s) in {out} ran with another config than this command's: "
                          + "; ".join(f"{key} ({why})" for key, why in otherwise[:3])
-                         + ". A finished cell is not run again, so it would stand in this table as it is: give this run its own "
-                           "--out (a smoke run's --set belongs in a folder of its own), or pass the --set it ran with")
+                         + ". A cell's folder is taken as it is (a finished cell is not run again, a stopped one resumes), so it "
+                           "would stand in this table: give this run its own --out (a smoke run's --set belongs in a folder of its "
+                           "own), or pass the --set it ran with")
     out.mkdir(parents=True, exist_ok=True)
     if args.probe is not None:
         try:
@@ -727,11 +747,11 @@ def main() -> None:
             code, stopped = run_cell(cell, out, args.device, args.overrides)
             if stopped or code == 130:
                 print(_stopped_line(cell, out, code), flush=True)
-                report(args.table, table, cells, out, args.scale, args.device, args.overrides, seeds)
+                report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds)
                 raise SystemExit(130)
             if code != 0:
                 failed.append((cell.key, code))
-    report(args.table, table, cells, out, args.scale, args.device, args.overrides, seeds, args.report_only)
+    report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, args.report_only)
     if failed:
         raise SystemExit(f"cells that failed: {', '.join(f'{k} (exit {c})' for k, c in failed)}; their run directories say why")
 

@@ -31,3 +31,9 @@ def test_fedhe_without_the_authors_run_needs_no_checkout(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "bench" / "authors_fedhe.py")], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path)
     assert missing.returncode == 2 and "--no-authors" in missing.stderr and "git clone" in missing.stderr
+
+
+def test_fedmho_without_a_checkout_named_says_where_to_get_one(tmp_path):
+    missing = subprocess.run([sys.executable, str(ROOT / "bench" / "authors_fedmho.py")], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    assert missing.returncode == 2 and "git clone https://github.com/YXShi2000/FedMHO" in missing.stderr
