@@ -683,7 +683,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (CHFL's paper uses five: 0,1,2,3,4)")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/paper/<table>-<scale>")
-    ap.add_argument("--cells", default=None, help="run only these cells (keys as listed by --list)")
+    ap.add_argument("--cells", default=None, help="run only these cells (keys as listed by --list); the report still covers "
+                                                   "every cell of the seeds, those not run shown as such")
     ap.add_argument("--report-only", action="store_true", help="no training: the table from the cells done so far")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="override a key of every cell's config, e.g. --set rounds=5 (a smoke run: use its own --out)")
