@@ -646,9 +646,10 @@ def _other_table(out: Path, name: str, scale: str) -> str | None:
     return f"the {held.get('table')!s:.40} table at --scale {held.get('scale')!s:.20}"
 
 
-def _check_cells(ap: argparse.ArgumentParser, cells: list[Cell], device: str, overrides: list[str]) -> None:
-    """Said once, before any cell runs: a --set that makes a config invalid, or CUDA asked for on a
-    machine without it (else every cell would fail with the same reason)."""
+def _check_cells(ap: argparse.ArgumentParser, cells: list[Cell], device: str, overrides: list[str], running: bool = True) -> None:
+    """Said once, before any cell runs (or is reported): a --set that makes a config invalid, or
+    CUDA asked for on a machine without it when cells are to run here (else every cell would fail
+    with the same reason; a report of a GPU's cells may be made on any machine)."""
     from edgefl.config import validate_config
 
     for cell in cells:
@@ -656,7 +657,7 @@ def _check_cells(ap: argparse.ArgumentParser, cells: list[Cell], device: str, ov
             validate_config(_asked(cell, device, overrides), cell.key)
         except EdgeflError as exc:
             ap.error(f"{exc}" + (f" (hint: {exc.hint})" if getattr(exc, "hint", None) else ""))
-    if device == "cuda":
+    if device == "cuda" and running:
         import torch
 
         if not torch.cuda.is_available():
@@ -723,8 +724,8 @@ def main() -> None:
         ap.error(f"--probe takes the seconds to run each cell, a number above 0 (got {args.probe:g})")
     if args.probe is not None and args.report_only:
         ap.error("--probe runs cells and --report-only runs none: give one of them")
+    _check_cells(ap, cells, args.device, args.overrides, running=not args.report_only)
     if not args.report_only:
-        _check_cells(ap, cells, args.device, args.overrides)
         if args.probe is None:
             otherwise = [(c.key, why) for c in cells if (why := ran_otherwise(c, out, args.device, args.overrides))]
             if otherwise:

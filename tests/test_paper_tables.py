@@ -172,6 +172,10 @@ def test_an_invalid_set_or_a_missing_gpu_is_said_once_before_any_cell_runs(tmp_p
     bad = subprocess.run([sys.executable, script, "chfl", "--set", "rounds=abc", "--out", str(tmp_path / "t")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "rounds: Input should be a valid integer" in bad.stderr and "run directories" not in bad.stderr
+    (tmp_path / "done").mkdir()
+    report = subprocess.run([sys.executable, script, "chfl", "--report-only", "--set", "rounds=abc", "--out", str(tmp_path / "done")],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 2 and "rounds: Input should be a valid integer" in report.stderr and "Traceback" not in report.stderr
     if not torch.cuda.is_available():
         gpu = subprocess.run([sys.executable, script, "chfl", "--device", "cuda", "--out", str(tmp_path / "t")],
                              capture_output=True, text=True, timeout=120)
