@@ -114,6 +114,10 @@ class Link:
         self.v5 = protocol == "5"
         self.inbox: queue.Queue[Incoming] = queue.Queue()
         self.connected = threading.Event()
+        #: the broker acknowledged every subscription of the latest connection (SUBACK): before it,
+        #: a message published to a subscribed topic may not reach this link
+        self.subscribed = threading.Event()
+        self._pending_subscriptions: set[int] = set()
         self.on_connected = None  # called (in paho's callback) after each accepted connection: the load generator counts them
         self.connect_count = 0
         self.last_disconnect: str | None = None
@@ -142,6 +146,7 @@ class Link:
         self.client.reconnect_delay_set(min_delay=1 + random.Random(client_id).random() * 2, max_delay=30)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
+        self.client.on_subscribe = self._on_subscribe
         self.client.on_message = self._on_message
         self._session_expiry_s = session_expiry_s
         self._keepalive_s = keepalive_s
@@ -153,21 +158,32 @@ class Link:
             self.last_disconnect = f"connect refused: {reason_code}"
             return
         self.connect_count += 1
-        for topic in self.subscriptions:
-            client.subscribe(topic, qos=1)
+        self.subscribed.clear()
+        # (paho runs this and on_subscribe on one thread: no SUBACK is handled before the ids are kept)
+        pending = {mid for rc, mid in (client.subscribe(topic, qos=1) for topic in self.subscriptions) if rc == self._mqtt.MQTT_ERR_SUCCESS}
         if self.yield_session:
             from paho.mqtt.packettypes import PacketTypes
             from paho.mqtt.properties import Properties
 
-            client.subscribe(self.presence_topic, qos=1)  # before the publish: the retained one is another's, if any
+            rc, mid = client.subscribe(self.presence_topic, qos=1)  # before the publish: the retained one is another's, if any
+            if rc == self._mqtt.MQTT_ERR_SUCCESS:
+                pending.add(mid)
             props = Properties(PacketTypes.PUBLISH)
             props.UserProperty = (INSTANCE_PROPERTY, self.instance)
             client.publish(self.presence_topic, b"online", qos=1, retain=True, properties=props)
         elif self.presence_topic:
             client.publish(self.presence_topic, b"online", qos=1, retain=True)
+        self._pending_subscriptions = pending
+        if not pending:
+            self.subscribed.set()
         self.connected.set()
         if self.on_connected is not None:
             self.on_connected()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties=None) -> None:
+        self._pending_subscriptions.discard(mid)
+        if not self._pending_subscriptions:
+            self.subscribed.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties=None) -> None:
         self.connected.clear()
@@ -204,11 +220,16 @@ class Link:
                               hint="start one (edgefl fleet starts its own) or check --broker") from None
 
     def start(self, timeout_s: float = 15.0) -> Link:
+        """Connect and return once the broker has accepted the connection and acknowledged its
+        subscriptions: a message published after this reaches the link (returning at CONNACK
+        lost one sent in the moment before the broker had the subscription, on a loaded machine)."""
         self.open()
         self.client.loop_start()
-        if not self.connected.wait(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        if not self.connected.wait(timeout_s) or not self.subscribed.wait(max(0.0, deadline - time.monotonic())):
             self.stop()
-            raise BrokerUnreachable(f"the broker at {self.address} did not accept {self.client_id} within {timeout_s:g} s"
+            what = "accept" if not self.connected.is_set() else "acknowledge the subscriptions of"
+            raise BrokerUnreachable(f"the broker at {self.address} did not {what} {self.client_id} within {timeout_s:g} s"
                               + (f" ({self.last_disconnect})" if self.last_disconnect else ""))
         return self
 
