@@ -774,3 +774,21 @@ def test_a_server_that_cannot_reach_its_broker_leaves_nothing_that_blocks_its_re
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     res = _edgefl(*command[:-1], str(tmp_path / "mine"), "--overwrite")
     assert res.returncode == 2 and "notes.txt, which no run writes" in res.stderr and (tmp_path / "mine" / "notes.txt").is_file()
+
+
+def test_a_started_link_has_its_subscriptions_acknowledged(tmp_path):
+    """start() returns after the broker's SUBACK, not at CONNACK: a message published the moment
+    after reaches it (one published between the two was lost on a loaded machine)."""
+    with mosquitto(tmp_path) as broker:
+        address = BrokerAddress.parse(broker)
+        for protocol in ("5", "3.1.1"):
+            listener = Link(address, f"listener-{protocol}", ["t/#", "u/x"], None, protocol=protocol).start()
+            talker = Link(address, f"talker-{protocol}", [], None, protocol=protocol).start()
+            try:
+                assert listener.subscribed.is_set() and talker.subscribed.is_set()  # (no subscription: nothing to wait for)
+                talker.publish("t/a", b"at once")
+                item = listener.get(10.0)
+                assert item is not None and (item.topic, item.payload) == ("t/a", b"at once")
+            finally:
+                talker.stop(offline=False)
+                listener.stop(offline=False)
