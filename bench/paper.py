@@ -513,16 +513,15 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
         for column in table.columns:
             mine, theirs = got.get((row, column), []), table.paper.get((row, column))
             stopped = partial.get((row, column), [])
+            state = "done" if mine else "stopped" if stopped else "other config" if (row, column) in other_at else "not run"
             ours = (f"{statistics.fmean(mine):.2f}" + (f"+-{statistics.stdev(mine):.2f}" if len(mine) > 1 else "")) if mine else \
-                (f"stopped at {stopped[0]['rounds_played']}/{stopped[0]['rounds']}" if stopped else
-                 "other config" if (row, column) in other_at else "not run")
+                f"stopped at {stopped[0]['rounds_played']}/{stopped[0]['rounds']}" if stopped else state
             if mine and len(mine) < asked.get((row, column), 0):  # a mean over fewer seeds than asked for says so
                 ours += f" [{len(mine)} of {asked[row, column]} seeds]"
             shown[row, column] = f"{ours} ({'-' if theirs is None else f'{theirs:.2f}'})"
             lines.append({"row": row, "column": column, "ours": mine, "ours_mean": statistics.fmean(mine) if mine else None,
                           "seeds_done": len(mine), "seeds_asked": asked.get((row, column), 0), "paper": theirs,
-                          "state": "done" if mine else "stopped" if stopped else "other config" if (row, column) in other_at
-                          else "not run"})
+                          "state": state})
     label = max(len(r) for r in rows)
     width = max([len(c) for c in table.columns] + [len(v) for v in shown.values()])
     head = " " * label + "".join(f" | {c:>{width}s}" for c in table.columns)
