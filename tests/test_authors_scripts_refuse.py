@@ -37,3 +37,17 @@ def test_fedmho_without_a_checkout_named_says_where_to_get_one(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "bench" / "authors_fedmho.py")], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path)
     assert missing.returncode == 2 and "git clone https://github.com/YXShi2000/FedMHO" in missing.stderr
+
+
+def test_fedhe_without_keras_says_so_before_training(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("keras") is not None:
+        pytest.skip("Keras is installed here")
+    checkout = tmp_path / "FedHe"
+    for name in ("main.py", "parameters.py", "modules/Client.py", "modules/Dataset.py", "modules/Server.py"):
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text("")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "authors_fedhe.py"), "--authors-dir", str(checkout)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "pip install keras" in done.stderr and "--no-authors" in done.stderr, done.stderr[-2000:]
