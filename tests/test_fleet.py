@@ -776,6 +776,91 @@ def test_a_server_that_cannot_reach_its_broker_leaves_nothing_that_blocks_its_re
     assert res.returncode == 2 and "notes.txt, which no run writes" in res.stderr and (tmp_path / "mine" / "notes.txt").is_file()
 
 
+class _MisbehavingBroker:
+    """A TCP listener speaking just enough MQTT (3.1.1 and 5) to accept a connection, then either
+    never acknowledging a subscription or refusing it (a SUBACK failure code): what a broker
+    enforcing read ACLs that way (EMQX, HiveMQ) or a stuck one does, and mosquitto never does."""
+
+    def __init__(self, suback: bytes | None) -> None:
+        import socket
+
+        self.suback = suback  # the SUBACK's reason code, None: no SUBACK at all
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._client, args=(conn,), daemon=True).start()
+
+    def _client(self, conn) -> None:
+        def read(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = conn.recv(n - len(data))
+                if not chunk:
+                    raise OSError("closed")
+                data += chunk
+            return data
+
+        v5 = False
+        with conn:
+            try:
+                while True:
+                    kind = read(1)[0] >> 4
+                    length, shift = 0, 0
+                    while True:
+                        byte = read(1)[0]
+                        length |= (byte & 0x7F) << shift
+                        shift += 7
+                        if not byte & 0x80:
+                            break
+                    body = read(length)
+                    if kind == 1:  # CONNECT: protocol level after the "MQTT" name
+                        v5 = body[6] == 5
+                        conn.sendall(b"\x20\x03\x00\x00\x00" if v5 else b"\x20\x02\x00\x00")
+                    elif kind == 8 and self.suback is not None:  # SUBSCRIBE: its packet id first
+                        reply = body[:2] + (b"\x00" if v5 else b"") + self.suback
+                        conn.sendall(bytes([0x90, len(reply)]) + reply)
+                    elif kind == 12:  # PINGREQ
+                        conn.sendall(b"\xd0\x00")
+                    elif kind == 14:  # DISCONNECT
+                        return
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_link_whose_subscription_is_never_acknowledged_or_refused_says_so():
+    """start() waits for SUBACK; a broker that never sends one is unreachable in practice (said,
+    within the timeout), and one that refuses a subscription is an ACL to fix, not to wait for."""
+    from edgefl.errors import BrokerUnreachable, EdgeflError
+
+    for protocol, refusal in (("5", b"\x87"), ("3.1.1", b"\x80")):
+        silent = _MisbehavingBroker(suback=None)
+        try:
+            link = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{silent.port}"), "dev-0", ["fed/down/dev-0"], None, protocol=protocol)
+            with pytest.raises(BrokerUnreachable, match="did not acknowledge the subscriptions of dev-0 within 2 s"):
+                link.start(timeout_s=2)
+        finally:
+            silent.close()
+        refusing = _MisbehavingBroker(suback=refusal)
+        try:
+            link = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{refusing.port}"), "dev-0", ["fed/down/dev-0"], None, protocol=protocol)
+            with pytest.raises(EdgeflError, match="refused dev-0's subscription to fed/down/dev-0") as refused:
+                link.start(timeout_s=5)
+            assert not isinstance(refused.value, BrokerUnreachable)  # a device waiting for its broker must not retry it
+            assert "ACL" in refused.value.hint
+        finally:
+            refusing.close()
+
+
 def test_a_started_link_has_its_subscriptions_acknowledged(tmp_path):
     """start() returns after the broker's SUBACK, not at CONNACK: a message published the moment
     after reaches it (one published between the two was lost on a loaded machine)."""

@@ -117,7 +117,10 @@ class Link:
         #: the broker acknowledged every subscription of the latest connection (SUBACK): before it,
         #: a message published to a subscribed topic may not reach this link
         self.subscribed = threading.Event()
-        self._pending_subscriptions: set[int] = set()
+        self._pending_subscriptions: dict[int, str] = {}  # SUBSCRIBE packet id -> topic, until its SUBACK
+        #: the broker refused a subscription (a SUBACK failure code; brokers that enforce read ACLs that
+        #: way, EMQX or HiveMQ, do; mosquitto grants and drops instead): "topic (reason)", else None
+        self.subscription_refused: str | None = None
         self.on_connected = None  # called (in paho's callback) after each accepted connection: the load generator counts them
         self.connect_count = 0
         self.last_disconnect: str | None = None
@@ -159,15 +162,20 @@ class Link:
             return
         self.connect_count += 1
         self.subscribed.clear()
+        self.subscription_refused = None
         # (paho runs this and on_subscribe on one thread: no SUBACK is handled before the ids are kept)
-        pending = {mid for rc, mid in (client.subscribe(topic, qos=1) for topic in self.subscriptions) if rc == self._mqtt.MQTT_ERR_SUCCESS}
+        pending: dict[int, str] = {}
+        for topic in self.subscriptions:
+            rc, mid = client.subscribe(topic, qos=1)
+            if rc == self._mqtt.MQTT_ERR_SUCCESS:
+                pending[mid] = topic
         if self.yield_session:
             from paho.mqtt.packettypes import PacketTypes
             from paho.mqtt.properties import Properties
 
             rc, mid = client.subscribe(self.presence_topic, qos=1)  # before the publish: the retained one is another's, if any
             if rc == self._mqtt.MQTT_ERR_SUCCESS:
-                pending.add(mid)
+                pending[mid] = self.presence_topic
             props = Properties(PacketTypes.PUBLISH)
             props.UserProperty = (INSTANCE_PROPERTY, self.instance)
             client.publish(self.presence_topic, b"online", qos=1, retain=True, properties=props)
@@ -181,7 +189,10 @@ class Link:
             self.on_connected()
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties=None) -> None:
-        self._pending_subscriptions.discard(mid)
+        topic = self._pending_subscriptions.pop(mid, None)
+        refused = [str(code) for code in reason_codes or () if getattr(code, "is_failure", False)]
+        if refused and topic is not None:
+            self.subscription_refused = f"{topic} ({', '.join(refused)})"
         if not self._pending_subscriptions:
             self.subscribed.set()
 
@@ -227,10 +238,20 @@ class Link:
         self.client.loop_start()
         deadline = time.monotonic() + timeout_s
         if not self.connected.wait(timeout_s) or not self.subscribed.wait(max(0.0, deadline - time.monotonic())):
-            self.stop()
+            # (read before stop(): its own disconnect clears `connected` and sets last_disconnect)
             what = "accept" if not self.connected.is_set() else "acknowledge the subscriptions of"
+            why = self.last_disconnect
+            self.stop()
             raise BrokerUnreachable(f"the broker at {self.address} did not {what} {self.client_id} within {timeout_s:g} s"
-                              + (f" ({self.last_disconnect})" if self.last_disconnect else ""))
+                                    + (f" ({why})" if why else ""))
+        if self.subscription_refused:
+            # a link that cannot read its topics would wait for its tasks (or uploads) forever
+            refused = self.subscription_refused
+            self.stop()
+            # (not BrokerUnreachable: trying again, as a device waiting for its broker does, cannot help)
+            raise EdgeflError(f"the broker at {self.address} refused {self.client_id}'s subscription to {refused}",
+                              hint="the broker's ACL must let this client read that topic "
+                                   "(edgefl broker-config writes one that does)")
         return self
 
     def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1) -> None:
