@@ -137,6 +137,10 @@ def test_a_simulation_prints_a_refusal_once(tmp_path):
     assert done.returncode == 0, said
     assert said.count("rejected from client-1:") == 2, said  # one a round
     assert "upload refused" not in said, said
+    from edgefl.sim.engine import round_line
+
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "(1 refused)" in round_line(record, 2)
 
 
 def test_a_round_whose_uploads_were_all_refused_says_so_in_its_receipts_and_tables(tmp_path):
@@ -150,6 +154,9 @@ def test_a_round_whose_uploads_were_all_refused_says_so_in_its_receipts_and_tabl
     assert first["outcome"] == "failed"
     assert first["failure"].startswith("no quorum by the deadline (0 of 2 needed reported, 3 selected; 3 upload(s) refused"), first
     assert all(r.startswith("refused: extractor.1.weight: (3, 3)") for r in first["receipts"].values()), first["receipts"]
+    from edgefl.sim.engine import round_line
+
+    assert " up 0 B (3 refused) " in round_line(first, 2)  # the bytes count accepted uploads only: "up 0 B" alone hid why
 
 
 def test_a_decline_is_printed_whole():

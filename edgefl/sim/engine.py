@@ -451,7 +451,10 @@ def round_line(record: dict[str, Any], total: int) -> str:
     notes = "".join(f"  {printable(note, 1000)}" for note in stage_notes(record, show=3))
     if (rate := lr_note(record)) is not None:
         notes += f"  {printable(rate, 1000)}"
+    # up counts accepted uploads: a round whose uploads were refused says how many beside it
+    refused = (record.get("rejected") or {}).get("count") or 0
+    up = f"up {human_bytes(record['bytes_up'])}" + (f" ({refused} refused)" if refused else "")
     return (
-        f"{'update' if record.get('mode') == 'async' else 'round'} {record['round']:>3}/{total}  {acc_txt}  up {human_bytes(record['bytes_up'])}  "
+        f"{'update' if record.get('mode') == 'async' else 'round'} {record['round']:>3}/{total}  {acc_txt}  {up}  "
         f"down {human_bytes(record['bytes_down'])}  {record['round_time_s']:.1f}s{outcome}{clock}{notes}"
     )
