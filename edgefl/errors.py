@@ -39,3 +39,8 @@ class PayloadError(EdgeflError):
 
 class BrokerUnreachable(EdgeflError):
     """The MQTT broker could not be reached or did not accept the connection (yet)."""
+
+
+class SubscriptionsUnconfirmed(BrokerUnreachable):
+    """The broker accepted the connection but did not acknowledge every subscription in time (an
+    overloaded or misconfigured broker): retried as an unreachable broker is, with its own hint."""

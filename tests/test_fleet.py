@@ -838,22 +838,33 @@ class _MisbehavingBroker:
 
 
 def test_a_link_whose_subscription_is_never_acknowledged_or_refused_says_so():
-    """start() waits for SUBACK; a broker that never sends one is unreachable in practice (said,
-    within the timeout), and one that refuses a subscription is an ACL to fix, not to wait for."""
-    from edgefl.errors import BrokerUnreachable, EdgeflError
+    """start() waits for SUBACK: a broker that accepts the connection and never sends one is said
+    so within the timeout, naming the topics still waiting, and one that refuses subscriptions is an
+    ACL to fix, not to wait for: every refused topic is named, and a device does not retry it."""
+    from edgefl.errors import BrokerUnreachable, EdgeflError, SubscriptionsUnconfirmed
+    from edgefl.fleet.launcher import connect_retrying
 
     for protocol, refusal in (("5", b"\x87"), ("3.1.1", b"\x80")):
         silent = _MisbehavingBroker(suback=None)
         try:
-            link = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{silent.port}"), "dev-0", ["fed/down/dev-0"], None, protocol=protocol)
-            with pytest.raises(BrokerUnreachable, match="did not acknowledge the subscriptions of dev-0 within 2 s"):
+            link = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{silent.port}"), "dev-0", ["fed/down/dev-0", "fed/x"], None,
+                        protocol=protocol)
+            with pytest.raises(SubscriptionsUnconfirmed, match="accepted dev-0 but did not acknowledge its subscription.s. to "
+                                                               "fed/down/dev-0, fed/x within 2 s") as unconfirmed:
                 link.start(timeout_s=2)
+            assert "check its log and its ACL" in unconfirmed.value.hint
+            # a device giving up on it keeps that hint (not "check that the fleet's broker runs": it runs)
+            with pytest.raises(SubscriptionsUnconfirmed) as given_up:
+                again = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{silent.port}"), "dev-1", ["fed/y"], None, protocol=protocol)
+                connect_retrying(lambda: again.start(timeout_s=1), wait_s=0, say=lambda line: None)  # noqa: B023 (called at once)
+            assert "check its log and its ACL" in given_up.value.hint
         finally:
             silent.close()
         refusing = _MisbehavingBroker(suback=refusal)
         try:
-            link = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{refusing.port}"), "dev-0", ["fed/down/dev-0"], None, protocol=protocol)
-            with pytest.raises(EdgeflError, match="refused dev-0's subscription to fed/down/dev-0") as refused:
+            link = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{refusing.port}"), "dev-0", ["fed/down/dev-0", "fed/x"], None,
+                        protocol=protocol)
+            with pytest.raises(EdgeflError, match=r"refused dev-0's subscription\(s\) to fed/down/dev-0 \(.+\); fed/x \(") as refused:
                 link.start(timeout_s=5)
             assert not isinstance(refused.value, BrokerUnreachable)  # a device waiting for its broker must not retry it
             assert "ACL" in refused.value.hint

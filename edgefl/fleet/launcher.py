@@ -73,7 +73,7 @@ def connect_retrying(connect: Callable[[], T], wait_s: float, say: Callable[[str
     """``connect()``, tried again with growing pauses (1 s doubling to 30 s) while the broker is
     unreachable, for at most ``wait_s`` seconds (``inf``: until it answers, what a device started
     at boot before its broker needs; 0: one try)."""
-    from edgefl.errors import BrokerUnreachable
+    from edgefl.errors import BrokerUnreachable, SubscriptionsUnconfirmed
 
     deadline = time.monotonic() + wait_s
     pause = 1.0
@@ -82,6 +82,8 @@ def connect_retrying(connect: Callable[[], T], wait_s: float, say: Callable[[str
             return connect()
         except BrokerUnreachable as exc:
             if time.monotonic() + pause > deadline:
+                if isinstance(exc, SubscriptionsUnconfirmed):  # the broker runs: its own hint says where to look
+                    raise
                 # a device does not start brokers (the hint of a server or `edgefl fleet` would say so)
                 raise BrokerUnreachable(exc.message, hint="check --broker and that the fleet's broker runs; a device started "
                                                           "before its broker keeps trying with --broker-wait inf") from None

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from edgefl.errors import BrokerUnreachable, EdgeflError
+from edgefl.errors import BrokerUnreachable, EdgeflError, SubscriptionsUnconfirmed
 from edgefl.transport.registry import BrokerAddress
 
 log = logging.getLogger("edgefl.transport")
@@ -118,9 +118,11 @@ class Link:
         #: a message published to a subscribed topic may not reach this link
         self.subscribed = threading.Event()
         self._pending_subscriptions: dict[int, str] = {}  # SUBSCRIBE packet id -> topic, until its SUBACK
-        #: the broker refused a subscription (a SUBACK failure code; brokers that enforce read ACLs that
-        #: way, EMQX or HiveMQ, do; mosquitto grants and drops instead): "topic (reason)", else None
-        self.subscription_refused: str | None = None
+        #: the subscriptions the broker refused on the latest connection (a SUBACK failure code; brokers
+        #: that enforce read ACLs that way, EMQX or HiveMQ, do; mosquitto grants and drops instead),
+        #: each "topic (reason)"
+        self.subscriptions_refused: list[str] = []
+        self._started = False  # start() returned: a refusal after a reconnect can only be logged
         self.on_connected = None  # called (in paho's callback) after each accepted connection: the load generator counts them
         self.connect_count = 0
         self.last_disconnect: str | None = None
@@ -162,7 +164,7 @@ class Link:
             return
         self.connect_count += 1
         self.subscribed.clear()
-        self.subscription_refused = None
+        self.subscriptions_refused = []
         # (paho runs this and on_subscribe on one thread: no SUBACK is handled before the ids are kept)
         pending: dict[int, str] = {}
         for topic in self.subscriptions:
@@ -192,7 +194,10 @@ class Link:
         topic = self._pending_subscriptions.pop(mid, None)
         refused = [str(code) for code in reason_codes or () if getattr(code, "is_failure", False)]
         if refused and topic is not None:
-            self.subscription_refused = f"{topic} ({', '.join(refused)})"
+            self.subscriptions_refused.append(f"{topic} ({', '.join(refused)})")
+            if self._started:  # a reconnect mid-run: nobody to raise to, and nothing will arrive on it
+                log.error("the broker at %s refused %s's subscription to %s (%s) on reconnecting: its ACL must let "
+                          "this client read that topic", self.address, self.client_id, topic, ", ".join(refused))
         if not self._pending_subscriptions:
             self.subscribed.set()
 
@@ -239,19 +244,26 @@ class Link:
         deadline = time.monotonic() + timeout_s
         if not self.connected.wait(timeout_s) or not self.subscribed.wait(max(0.0, deadline - time.monotonic())):
             # (read before stop(): its own disconnect clears `connected` and sets last_disconnect)
-            what = "accept" if not self.connected.is_set() else "acknowledge the subscriptions of"
-            why = self.last_disconnect
+            accepted = self.connected.is_set()
+            why, waiting = self.last_disconnect, sorted(self._pending_subscriptions.values())
             self.stop()
-            raise BrokerUnreachable(f"the broker at {self.address} did not {what} {self.client_id} within {timeout_s:g} s"
+            if accepted:
+                raise SubscriptionsUnconfirmed(
+                    f"the broker at {self.address} accepted {self.client_id} but did not acknowledge its subscription(s) to "
+                    f"{', '.join(waiting)} within {timeout_s:g} s",
+                    hint="the broker is up but does not confirm subscriptions: check its log and its ACL "
+                         "(an overloaded broker answers late; --broker-wait tries again)")
+            raise BrokerUnreachable(f"the broker at {self.address} did not accept {self.client_id} within {timeout_s:g} s"
                                     + (f" ({why})" if why else ""))
-        if self.subscription_refused:
+        if self.subscriptions_refused:
             # a link that cannot read its topics would wait for its tasks (or uploads) forever
-            refused = self.subscription_refused
+            refused = self.subscriptions_refused
             self.stop()
             # (not BrokerUnreachable: trying again, as a device waiting for its broker does, cannot help)
-            raise EdgeflError(f"the broker at {self.address} refused {self.client_id}'s subscription to {refused}",
-                              hint="the broker's ACL must let this client read that topic "
+            raise EdgeflError(f"the broker at {self.address} refused {self.client_id}'s subscription(s) to {'; '.join(refused)}",
+                              hint="the broker's ACL must let this client read those topics "
                                    "(edgefl broker-config writes one that does)")
+        self._started = True
         return self
 
     def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1) -> None:
