@@ -237,7 +237,7 @@ TABLES: dict[str, Table] = {
         "Fashion-MNIST here; the paper's rows are CIFAR-10 (not on this machine)",
         {("Velo", "iid"): 76.33, ("Felo", "iid"): 76.10, ("Velo", "dirichlet"): 57.17, ("Felo", "dirichlet"): 56.88},
         "paper Table 1, CIFAR-10", _felo_velo, ["iid", "dirichlet"],
-        {"cpu": "1.3-4.8 min a cell, 6 cells a seed, on a 2-core CPU", "paper": "about 3.2 h a seed on an H200 (estimated from a probe)"}),
+        {"cpu": "2.1-4.8 min a cell, 6 cells a seed, on a 2-core CPU", "paper": "about 3.2 h a seed on an H200 (estimated from a probe)"}),
     "fedmho": Table(
         "FedMHO (paper 003) Table IV: one round, 5 VGG-9 + 5 CVAE-small clients",
         "Fashion-MNIST, Dirichlet 0.5 / 0.3 / 0.1; FedAvg = the average of the VGG-9 clients FedMHO fuses from",
@@ -697,6 +697,8 @@ def main() -> None:
     if args.list or args.table is None:
         print(f"--scale {args.scale}: {SCALES[args.scale]} (--scale {'paper' if args.scale == 'cpu' else 'cpu'} lists the other)\n")
         for name, table in TABLES.items():
+            if args.table is not None and name != args.table:  # `paper.py fedin --list`: that table only
+                continue
             listed = [c for s in seeds for c in table.cells(args.scale, s)]
             print(f"{name}: {table.title}\n  {table.note}\n  at --scale {args.scale}: {_setting(listed[0].config)}"
                   f"\n  cost: {table.cost.get(args.scale, 'not measured')} (--probe SECONDS estimates it on this machine)"
