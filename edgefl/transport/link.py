@@ -252,7 +252,7 @@ class Link:
                     f"the broker at {self.address} accepted {self.client_id} but did not acknowledge its subscription(s) to "
                     f"{', '.join(waiting)} within {timeout_s:g} s",
                     hint="the broker is up but does not confirm subscriptions: check its log and its ACL "
-                         "(an overloaded broker answers late; --broker-wait tries again)")
+                         "(an overloaded broker answers late; a device's --broker-wait tries again)")
             raise BrokerUnreachable(f"the broker at {self.address} did not accept {self.client_id} within {timeout_s:g} s"
                                     + (f" ({why})" if why else ""))
         if self.subscriptions_refused:
