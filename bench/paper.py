@@ -2,7 +2,7 @@
 
     ./dev.sh bench paper TABLE [--scale paper|cpu] [--device auto|cpu|cuda] [--seeds 0,1,2]
                                [--out DIR] [--cells KEY,KEY] [--set KEY=VALUE] [--report-only] [--list]
-                               [--probe SECONDS]
+                               [--probe SECONDS] [--merge TABLE_JSON]
 
 TABLE is one of ``fedhe``, ``fedin``, ``felo-velo``, ``fedmho``, ``chfl`` (``--list`` says what each
 runs and what the paper reports). Every cell of a table (a method, a partition, a seed) is one
@@ -16,7 +16,12 @@ several machines:
   run gives (``edgefl simulate --resume``); CHFL's cells, seconds long, keep no checkpoint and run again;
 * a finished cell that ran with another config (another ``--set``) is refused, not counted: a smoke
   run's cells belong in a folder of their own;
-* copy OUT to another machine with the same data and the same command goes on there.
+* copy OUT to another machine with the same data and the same command goes on there;
+* or keep only the small ``table.json`` of a sitting (a GPU's, or an earlier session's whose run
+  directories are gone) and pass it with ``--merge FILE``: its finished cells count in the report
+  and are not run again, each checked against this command's config (a cell whose recorded config
+  differs is refused; one from a file written before configs were recorded is taken with its
+  commit named).
 
 After the cells (or with ``--report-only``, from whatever cells are done) it prints the paper's row
 beside its own, writes ``OUT/table.json`` (each cell's final and best accuracy, its run directory,
@@ -44,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -301,6 +307,100 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]
     return [] if a == b else [(prefix or "(config)", a, b)]
 
 
+MERGE_MAX_BYTES = 16 << 20  # a table.json is kilobytes; a file this large is not one
+
+
+class MergeRefused(EdgeflError):
+    """A --merge file that is not a table.json of this table, scale and config."""
+
+
+def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str, Any]:
+    """One cell of a --merge file, its fields checked (a file is trusted no more than a message)."""
+    accuracy = raw.get("accuracy")
+    if not isinstance(accuracy, dict) or not accuracy or len(accuracy) > 8:
+        raise MergeRefused(f"{where}: cell {cell.key} has no accuracy table")
+    for row, value in accuracy.items():
+        if row not in rows:
+            raise MergeRefused(f"{where}: cell {cell.key} reports a row {str(row)[:40]!r} the table does not have")
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value) or not 0 <= value <= 1):
+            raise MergeRefused(f"{where}: cell {cell.key}'s {row} accuracy is {str(value)[:20]}, not a fraction in [0, 1]")
+    if (raw.get("row"), raw.get("column"), raw.get("seed")) != (cell.row, cell.column, cell.seed):
+        raise MergeRefused(f"{where}: cell {cell.key} is recorded as ({str(raw.get('row'))[:30]}, {str(raw.get('column'))[:30]}, "
+                           f"seed {str(raw.get('seed'))[:10]}), the table has it as ({cell.row}, {cell.column}, seed {cell.seed})")
+    kept = {k: raw.get(k) for k in ("run", "compute_device", "wall_time_s", "machine", "commit", "config")}
+    for key in ("run", "compute_device", "commit"):
+        if kept[key] is not None:
+            kept[key] = str(kept[key])[:300]
+    if not isinstance(kept["machine"], dict):
+        kept["machine"] = None
+    if not isinstance(kept["config"], dict):
+        kept["config"] = None
+    return {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
+            "accuracy": {str(r): v for r, v in accuracy.items()}, **kept}
+
+
+def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: list[Cell], device: str,
+                overrides: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The finished cells of earlier sittings' table.json files (``--merge``), by cell key, and what
+    was said of them. A file of another table, scale or --set, a cell recorded with another config
+    than this command's, or a malformed entry is refused (:class:`MergeRefused`); a cell of a seed
+    not asked for is left out; a cell in two files is taken from the first."""
+    from edgefl.config import validate_config
+
+    by_key = {c.key: c for c in cells}
+    rows = {c.row for c in cells} | {r for r, _ in table.paper}
+    merged: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    for path in paths:
+        try:
+            if path.stat().st_size > MERGE_MAX_BYTES:
+                raise MergeRefused(f"{path} is {path.stat().st_size >> 20} MiB: not a table.json (those are kilobytes)")
+            held = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise MergeRefused(f"{path} cannot be read as a table.json ({str(exc)[:120]})",
+                               hint="--merge takes the table.json an earlier `bench paper` run wrote") from None
+        if not isinstance(held, dict) or not isinstance(held.get("cells"), list):
+            raise MergeRefused(f"{path} is not a table.json (no list of cells)",
+                               hint="--merge takes the table.json an earlier `bench paper` run wrote")
+        if (held.get("table"), held.get("scale")) != (name, scale):
+            raise MergeRefused(f"{path} holds the {str(held.get('table'))[:40]} table at --scale {str(held.get('scale'))[:20]}, "
+                               f"not {name} at --scale {scale}")
+        if held.get("overrides") != overrides:
+            raise MergeRefused(f"{path}'s cells ran with --set {held.get('overrides')!s:.200}, this command's with "
+                               f"--set {overrides}: pass the same --set (a smoke run's cells are not the table's)")
+        unasked, untold = 0, []
+        for raw in held["cells"][:10_000]:
+            key = raw.get("cell") if isinstance(raw, dict) else None
+            cell = by_key.get(key) if isinstance(key, str) else None
+            if cell is None:
+                other_seed = re.fullmatch(r"(.+)-s(\d{1,9})", key) if isinstance(key, str) else None
+                if other_seed and other_seed[1] in {c.key.rsplit("-s", 1)[0] for c in cells}:
+                    unasked += 1  # the same cell at another seed
+                    continue
+                raise MergeRefused(f"{path}: {str(key)[:60]!r} is not a cell of {name} at --scale {scale}")
+            if key in merged:
+                notes.append(f"{key}: in {merged[key]['from']} and {path}: taken from the first")
+                continue
+            entry = _merged_entry(raw, cell, rows, str(path))
+            if entry["config"] is None:
+                untold.append(key)
+            else:
+                want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
+                differ = [f"{k}: {a!r} there, {b!r} asked" for k, a, b in _differences(entry["config"], want) if k != "device"]
+                if differ:
+                    raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: " + "; ".join(differ[:3])
+                                       + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""),
+                                       hint="the table's setting changed since (see its commit), or its cells ran with another --set")
+            merged[key] = {**entry, "from": str(path)}
+        if unasked:
+            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out (--seeds takes them in)")
+        if untold:
+            notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): "
+                         f"taken as this table's at commit(s) {', '.join(sorted({str(merged[k]['commit']) for k in untold}))}")
+    return merged, notes
+
+
 def _simulate_command(config: dict[str, Any], cfg_path: Path, run: Path) -> list[str]:
     """``edgefl simulate`` of ``config`` (written to ``cfg_path``) into ``run``."""
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -470,13 +570,28 @@ def _accuracy(summary: dict[str, Any], metric: str) -> float | None:
     return final.get("overall")
 
 
+def _run_config(run: Path) -> dict[str, Any] | None:
+    """The config a finished cell ran with, as its run directory holds it: kept in table.json so that
+    a later sitting can check the cell before it counts it (``--merge``)."""
+    from edgefl.config import load_config
+
+    try:
+        return load_config(run / "config.toml").to_dict()
+    except EdgeflError:
+        return None
+
+
 def _commit() -> str:
     """The checkout's commit, with "-dirty" when tracked files differ from it (the numbers came from that code)."""
     return source_commit() or "unknown"
 
 
 def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
-           seeds: list[int] | None = None, report_only: bool = False) -> dict[str, Any]:
+           seeds: list[int] | None = None, report_only: bool = False,
+           merged: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The table from the cells finished in ``out`` and, where ``out`` has none, in ``merged``
+    (earlier sittings' table.json files): printed beside the paper's, written to table.json/png."""
+    merged = merged or {}
     got: dict[tuple[str, str], list[float]] = {}
     asked: dict[tuple[str, str], int] = {}
     done: list[dict[str, Any]] = []
@@ -486,10 +601,17 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     for cell in cells:
         asked[cell.row, cell.column] = asked.get((cell.row, cell.column), 0) + 1
         why = ran_otherwise(cell, out, device, overrides)
+        s = None if why else _summary(out / cell.key)
+        if (not s or s.get("interrupted")) and cell.key in merged:  # finished in another sitting
+            entry = merged[cell.key]
+            for row, value in entry["accuracy"].items():
+                if value is not None:
+                    got.setdefault((row, cell.column), []).append(100 * value)
+            done.append(entry)
+            continue
         if why:  # (--report-only without the --set the cell ran with): not this table's cell
             otherwise[cell.key] = why
             continue
-        s = _summary(out / cell.key)
         if not s or s.get("interrupted"):
             if s:  # stopped part-way: said as such, not as a cell never started
                 partial.setdefault((cell.row, cell.column), []).append(
@@ -503,7 +625,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                 got.setdefault((row, cell.column), []).append(100 * value)
         done.append({"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
                      "accuracy": values, "run": str(out / cell.key), "compute_device": s.get("compute_device"),
-                     "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine"), "commit": s.get("edgefl_commit")})
+                     "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine"), "commit": s.get("edgefl_commit"),
+                     "config": _run_config(out / cell.key)})
     other_at = {(c.row, c.column) for c in cells if c.key in otherwise}
     rows = list(dict.fromkeys([c.row for c in cells] + [r for r, _ in got] + [r for r, _ in table.paper]))
     print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; the paper's numbers: {table.paper_source}")
@@ -530,6 +653,11 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     for row in rows:
         print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
     print("(ours, paper's in brackets; mean +- sd over seeds)")
+    earlier = [d for d in done if d.get("from")]
+    if earlier:
+        print(f"{len(earlier)} cell(s) from earlier sittings: "
+              + "; ".join(f"{d['cell']} ({d['from']}, commit {d.get('commit')})" for d in earlier[:4])
+              + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else ""))
     if otherwise:
         print(f"not counted: {len(otherwise)} cell(s) ran with another config than asked: "
               + "; ".join(f"{key} ({why})" for key, why in list(otherwise.items())[:3]) + " (pass the --set they ran with)")
@@ -542,6 +670,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                "missing": missing, "partial": [p for v in partial.values() for p in v],
                "device": device, "compute_devices": sorted({str(d["compute_device"]) for d in done if d.get("compute_device")}),
                "overrides": overrides, "rows": lines, "cells": done, "not_counted": otherwise,
+               "merged_from": sorted({d["from"] for d in done if d.get("from")}),
                # the code each cell ran (cells filled over several sittings may differ) and this report's
                "cell_commits": sorted({str(d["commit"]) for d in done if d.get("commit")}), "commit": _commit(), "machine": machine(),
                "versions": package_versions(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -693,6 +822,10 @@ def main() -> None:
     ap.add_argument("--probe", type=float, default=None, metavar="SECONDS",
                     help="no table: run each cell SECONDS, then estimate from its round times how long the table takes "
                          "here (writes OUT/probe.json; for planning a lent GPU's minutes)")
+    ap.add_argument("--merge", type=Path, action="append", default=[], metavar="TABLE_JSON",
+                    help="count the finished cells of an earlier sitting's table.json (another machine's, a GPU's, a "
+                         "session whose run directories are gone): they are not run again; each is checked against "
+                         "this command's config. Repeatable")
     args = ap.parse_args()
     seeds = _seeds(args.seeds, ap)
     if args.list or args.table is None:
@@ -727,6 +860,14 @@ def main() -> None:
     if args.probe is not None and args.report_only:
         ap.error("--probe runs cells and --report-only runs none: give one of them")
     _check_cells(ap, cells, args.device, args.overrides, running=not args.report_only)
+    if args.merge and args.probe is not None:
+        ap.error("--probe times cells and --merge counts finished ones: give one of them")
+    try:
+        merged, merge_notes = load_merged(args.merge, args.table, table, args.scale, every_cell, args.device, args.overrides)
+    except MergeRefused as exc:
+        ap.error(f"--merge: {exc}" + (f" (hint: {exc.hint})" if getattr(exc, "hint", None) else ""))
+    for line in merge_notes:
+        print(f"--merge: {line}", flush=True)
     if not args.report_only:
         if args.probe is None:
             otherwise = [(c.key, why) for c in cells if (why := ran_otherwise(c, out, args.device, args.overrides))]
@@ -748,14 +889,17 @@ def main() -> None:
     if not args.report_only:
         for i, cell in enumerate(cells, 1):
             print(f"[{i}/{len(cells)}] {cell.key}", flush=True)
+            if cell.key in merged and not _finished(out / cell.key):
+                print(f"{cell.key}: finished in another sitting ({merged[cell.key]['from']})", flush=True)
+                continue
             code, stopped = run_cell(cell, out, args.device, args.overrides)
             if stopped or code == 130:
                 print(_stopped_line(cell, out, code), flush=True)
-                report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds)
+                report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, merged=merged)
                 raise SystemExit(130)
             if code != 0:
                 failed.append((cell.key, code))
-    report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, args.report_only)
+    report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, args.report_only, merged)
     if failed:
         raise SystemExit(f"cells that failed: {', '.join(f'{k} (exit {c})' for k, c in failed)}; their run directories say why")
 

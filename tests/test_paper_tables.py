@@ -223,3 +223,56 @@ def test_a_stopped_table_run_waits_for_its_cell_to_checkpoint(tmp_path, whom):
     assert f"stopped at {summary['rounds_played']}/100000" in printed and "1 stopped part-way" in printed
     assert json.loads((out / "table.json").read_text())["partial"] == [
         {"cell": "chfl-iid-s0", "rounds_played": summary["rounds_played"], "rounds": 100000}]
+
+
+def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked(tmp_path):
+    """A session whose run directories are gone (or a GPU's sitting) keeps only its table.json:
+    --merge counts its finished cells and does not run them again; a file of another config, or one
+    whose cells were tampered with, is refused before anything runs."""
+    script, smoke = str(ROOT / "bench" / "paper.py"), ["--set", "rounds=3"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    ran = subprocess.run([sys.executable, script, "chfl", "--out", str(first), "--cells", "chfl-iid-s0", *smoke],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    earlier = json.loads((first / "table.json").read_text())
+    assert earlier["cells"][0]["config"]["rounds"] == 3  # each cell keeps the config it ran with
+    merge = ["--merge", str(first / "table.json")]
+    both = subprocess.run([sys.executable, script, "chfl", "--out", str(second), "--cells", "chfl-iid-s0,solo-iid-s0",
+                           *smoke, *merge], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert "chfl-iid-s0: finished in another sitting" in both.stdout and "solo-iid-s0: starting" in both.stdout
+    assert not (second / "chfl-iid-s0").exists()  # not run again
+    table = json.loads((second / "table.json").read_text())
+    row = {(ln["row"], ln["column"]): ln for ln in table["rows"]}
+    assert row[("CHFL", "iid")]["ours"] == [100 * earlier["cells"][0]["accuracy"]["CHFL"]]
+    assert row[("SOLO", "iid")]["state"] == "done" and table["merged_from"] == [str(first / "table.json")]
+    assert "1 cell(s) from earlier sittings" in both.stdout
+
+    def refused(payload: dict, *args: str) -> str:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(payload))
+        out = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *args,
+                              "--merge", str(bad)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 2, out.stdout[-2000:]
+        return out.stderr
+
+    (tmp_path / "third").mkdir()
+    assert "this command's with --set []" in refused(earlier)  # a smoke run's cells are not the table's
+    assert "holds the fedhe table" in refused({**earlier, "table": "fedhe"}, *smoke)
+    cell = earlier["cells"][0]
+    assert "not a fraction in [0, 1]" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 2.5}}]}, *smoke)
+    assert "a row 'Oracle'" in refused({**earlier, "cells": [{**cell, "accuracy": {"Oracle": 0.9}}]}, *smoke)
+    assert "'chfl-iid-s0; rm'" in refused({**earlier, "cells": [{**cell, "cell": "chfl-iid-s0; rm"}]}, *smoke)
+    changed = {**cell, "config": {**cell["config"], "method": {**cell["config"]["method"], "name": "fedavg"}}}
+    assert "method.name: 'fedavg' there, 'chfl' asked" in refused({**earlier, "cells": [changed]}, *smoke)
+    assert "is not a table.json" in refused(["not", "a", "table"], *smoke)
+    (tmp_path / "bad.json").write_text("{not json")
+    garbled = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *smoke,
+                              "--merge", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert garbled.returncode == 2 and "cannot be read as a table.json" in garbled.stderr
+    # a table.json written before cells recorded their config is taken, with its commit named
+    untold = {**earlier, "cells": [{k: v for k, v in cell.items() if k != "config"}]}
+    (tmp_path / "old.json").write_text(json.dumps(untold))
+    old = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *smoke,
+                          "--merge", str(tmp_path / "old.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert old.returncode == 0 and "recorded no config" in old.stdout and cell["commit"] in old.stdout, old.stderr[-2000:]
