@@ -529,7 +529,7 @@ def lr_note(record: dict[str, Any]) -> str | None:
 def stage_notes(record: dict[str, Any], show: int = 8) -> list[str]:
     """What a round's stages and secure aggregation add to its console line: ``secured``, who
     dropped out of which stage (``dropped in secagg-unmask: client-7``), who shared keys but sent
-    no masked upload, and why the round failed. Empty for a round without them. Not escaped: ids
+    no masked upload, and why the round failed (``why: ...``). Empty for a round without them. Not escaped: ids
     and reasons come from the network, the caller escapes them for where it prints."""
     notes = ["secured"] if was_secured(record) else []
     notes += privacy_notes(record)
@@ -538,7 +538,7 @@ def stage_notes(record: dict[str, Any], show: int = 8) -> list[str]:
     if after:
         notes.append(f"shared keys, no masked upload: {few(after, show)}")
     if record.get("failure"):
-        notes.append(f"failed: {record['failure']}")
+        notes.append(f"why: {record['failure']}")  # (the line says "failed" already)
     return notes
 
 

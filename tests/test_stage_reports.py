@@ -41,8 +41,8 @@ def test_the_simulation_s_round_lines_say_secured_who_dropped_out_and_why_a_roun
     assert lines[1].endswith("  secured")
     assert "  [deadline]  secured  dropped in secagg-unmask: client-7  shared keys, no masked upload: client-1" in lines[2]
     # a failed round released no sum: not "secured", whatever its key exchange did (an outside trial read it so)
-    assert "[failed]  dropped in secagg-unmask: client-1, client-2, client-3 and 6 more  failed: secagg: the self mask" in lines[3]
-    assert "[failed]  dropped in secagg-keys: client-1, client-2, client-3 and 5 more  failed: secagg: group" in lines[4]
+    assert "[failed]  dropped in secagg-unmask: client-1, client-2, client-3 and 6 more  why: secagg: the self mask" in lines[3]
+    assert "[failed]  dropped in secagg-keys: client-1, client-2, client-3 and 5 more  why: secagg: group" in lines[4]
     assert "one device with keys" in lines[4]
 
 
@@ -61,8 +61,8 @@ def test_the_fleet_console_prints_stages_and_the_closed_round_s_drop_outs_and_fa
     assert [line.split(":")[0] for line in closed] == ["round 1 complete", "round 2 deadline", "round 3 failed", "round 4 failed"]
     assert closed[0].endswith(", secured")
     assert ", secured, dropped in secagg-unmask: client-7, shared keys, no masked upload: client-1" in closed[1]
-    assert "dropped in secagg-unmask: client-1, client-2" in closed[2] and ", failed: secagg: the self mask of client-0 needs 2 shares" in closed[2]
-    assert closed[3].startswith("round 4 failed: 0/10 reported") and "failed: secagg: group mlp(hidden=[32, 16]) has one device with keys" in closed[3]
+    assert "dropped in secagg-unmask: client-1, client-2" in closed[2] and ", why: secagg: the self mask of client-0 needs 2 shares" in closed[2]
+    assert closed[3].startswith("round 4 failed: 0/10 reported") and ", why: secagg: group mlp(hidden=[32, 16]) has one device with keys" in closed[3]
 
 
 @pytest.mark.parametrize("hostile", ["[/]", "[bold]x", "client-1\nround 9 complete: FAKE", "\x1b[2J"])
