@@ -781,10 +781,14 @@ class _MisbehavingBroker:
     never acknowledging a subscription or refusing it (a SUBACK failure code): what a broker
     enforcing read ACLs that way (EMQX, HiveMQ) or a stuck one does, and mosquitto never does."""
 
-    def __init__(self, suback: bytes | None) -> None:
+    def __init__(self, suback: bytes | None, then: bytes | None = None) -> None:
         import socket
 
         self.suback = suback  # the SUBACK's reason code, None: no SUBACK at all
+        # given: the first connection is closed after its first SUBACK, and later ones answer `then`
+        # (a broker whose ACL changed while a device ran, seen at the device's reconnect)
+        self.then = then
+        self.connections = 0
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
@@ -808,6 +812,8 @@ class _MisbehavingBroker:
             return data
 
         v5 = False
+        self.connections += 1
+        suback, drop = (self.suback, self.then is not None) if self.connections == 1 else (self.then or self.suback, False)
         with conn:
             try:
                 while True:
@@ -823,9 +829,12 @@ class _MisbehavingBroker:
                     if kind == 1:  # CONNECT: protocol level after the "MQTT" name
                         v5 = body[6] == 5
                         conn.sendall(b"\x20\x03\x00\x00\x00" if v5 else b"\x20\x02\x00\x00")
-                    elif kind == 8 and self.suback is not None:  # SUBSCRIBE: its packet id first
-                        reply = body[:2] + (b"\x00" if v5 else b"") + self.suback
+                    elif kind == 8 and suback is not None:  # SUBSCRIBE: its packet id first
+                        reply = body[:2] + (b"\x00" if v5 else b"") + suback
                         conn.sendall(bytes([0x90, len(reply)]) + reply)
+                        if drop:
+                            time.sleep(0.3)
+                            return
                     elif kind == 12:  # PINGREQ
                         conn.sendall(b"\xd0\x00")
                     elif kind == 14:  # DISCONNECT
@@ -870,6 +879,31 @@ def test_a_link_whose_subscription_is_never_acknowledged_or_refused_says_so():
             assert "ACL" in refused.value.hint
         finally:
             refusing.close()
+
+
+def test_a_subscription_refused_on_a_reconnect_mid_run_is_logged(caplog):
+    """start() raises a refusal; after it returned (a reconnect mid-run) there is nobody to raise
+    to, so the refusal is logged as an error naming the topic and the ACL, and the link stays up."""
+    import logging
+
+    for protocol, refusal in (("5", b"\x87"), ("3.1.1", b"\x80")):
+        broker = _MisbehavingBroker(suback=b"\x01", then=refusal)
+        link = Link(BrokerAddress.parse(f"mqtt://127.0.0.1:{broker.port}"), f"dev-{protocol}", ["fed/down/dev-0"], None,
+                    protocol=protocol)
+        try:
+            with caplog.at_level(logging.ERROR, logger="edgefl.transport"):
+                link.start(timeout_s=5)  # granted on the first connection
+                assert link.subscriptions_refused == []
+                deadline = time.monotonic() + 15  # the broker drops it; paho reconnects within its 1-3 s floor
+                while time.monotonic() < deadline and not link.subscriptions_refused:
+                    time.sleep(0.1)
+            assert broker.connections >= 2 and link.subscriptions_refused and "fed/down/dev-0" in link.subscriptions_refused[0]
+            said = [r.getMessage() for r in caplog.records if "on reconnecting" in r.getMessage()]
+            assert said and f"refused dev-{protocol}'s subscription to fed/down/dev-0" in said[0] and "ACL" in said[0], said
+        finally:
+            link.stop(offline=False)
+            broker.close()
+        caplog.clear()
 
 
 def test_a_started_link_has_its_subscriptions_acknowledged(tmp_path):
