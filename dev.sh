@@ -128,10 +128,11 @@ case "$job" in
         "$VENV/bin/ruff" check . || { echo "ruff found problems (see above); fix them or run: $VENV/bin/ruff check --fix ." >&2; exit 1; }
         # the tests in parallel processes (pytest-xdist), one a core up to four: each test trains
         # on one thread, and many wait on brokers and device processes; EDGEFL_TEST_WORKERS=0 runs
-        # them in this one process (options given after `test` come later and win over these)
+        # them in this one process (options given after `test` come later and win over these);
+        # the 25 slowest tests are listed at the end: CI is kept under about 30 minutes
         cores=$(nproc 2>/dev/null || echo 1)
         workers=${EDGEFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
-        exec "$VENV/bin/python" -m pytest -n "$workers" "$@"
+        exec "$VENV/bin/python" -m pytest -n "$workers" --durations=25 "$@"
         ;;
     bench)
         apt_install dataset-fashion-mnist mosquitto
