@@ -358,6 +358,11 @@ def _fleet_printer(console: Console, total: int, beat=None, devices: int = 0):
                 beat.status(f"round {info['round']}/{total}: stage {safe(info['stage'])}, waiting for {info['asked']} devices")
             if kind in ("round", "upload") and waiting:
                 beat.status(f"round {waiting['round']}/{total}: {waiting['reported']}/{waiting['selected']} devices reported, waiting")
+        if kind == "twins":  # said whatever --per-device: a fleet misconfigured, not one device's news
+            console.print(f"warning: two processes run as device {safe(info['device'])}: one that started earlier came online after a "
+                          "newer one (each takes the broker connection from the other until the older sees the newer and "
+                          "stops); give every device its own --device-id")
+            return
         if kind in ("presence", "upload", "late", "enrolled") and not per_device:
             return
         if kind == "presence":

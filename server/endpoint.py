@@ -41,6 +41,7 @@ from edgefl.server.upload_checks import upload_problem
 from edgefl.transport.base import Delivery, ServerTransport
 from edgefl.transport.chunks import Reassembler, split
 from edgefl.transport.envelope import Envelope, answerable_id, pack, tensor_manifest, unpack
+from edgefl.transport.link import started_later
 from edgefl.transport.topics import is_safe_name
 
 log = logging.getLogger("edgefl.server")
@@ -123,6 +124,10 @@ class ServerEndpoint:
         self.online: dict[str, bool] = {}
         self.online_count = 0  # devices whose presence is online (kept with self.online: no scans per message)
         self.offline_since: dict[str, float] = {}  # devices last seen going offline, since when (the transport's clock)
+        # the latest process each device came online as (MQTT 5 presence), and the older processes
+        # already said to share its id: one that comes online after a newer one is a second process
+        self.instances: dict[str, str] = {}
+        self._twins_said: set[tuple[str, str]] = set()
         self.rejections = Rejections()  # the whole run's, bounded
         self.listener: Listener | None = None
         self.model_version = 0
@@ -283,7 +288,7 @@ class ServerEndpoint:
             self.count(device, "retained message on a device topic; discarded (devices publish with retain = false)")
             return
         if item.channel == "presence":
-            self._presence(device, bool(item.online))
+            self._presence(device, bool(item.online), item.instance)
             return
         env = self._checked(device, item.payload, None)
         if env is None:
@@ -412,7 +417,9 @@ class ServerEndpoint:
                         extra={"reason": reason})
         self.transport.send(device, pack(nack))
 
-    def _presence(self, device: str, online: bool) -> None:
+    def _presence(self, device: str, online: bool, instance: str | None = None) -> None:
+        if online and instance:
+            self._check_twins(device, instance)
         was = self.online.get(device, False)
         self.online[device] = online
         if online:
@@ -424,6 +431,18 @@ class ServerEndpoint:
             self.on_event("presence", {"device": device, "online": online})
         if self.listener is not None:
             self.listener.on_presence(device, online, was)
+
+    def _check_twins(self, device: str, instance: str) -> None:
+        """A device restarting comes back as a newer process; one that comes online after a newer
+        process of its id is another process running with the same --device-id (the two take the
+        broker connection from each other until the older sees the newer and stops): said once."""
+        latest = self.instances.get(device)
+        if latest is None or latest == instance or not started_later(latest, instance):
+            self.instances[device] = instance
+            return
+        if (device, instance) not in self._twins_said and len(self._twins_said) < 4 * len(self.known) + 16:
+            self._twins_said.add((device, instance))
+            self.on_event("twins", {"device": device, "older": instance, "newer": latest})
 
     def _check_reconnect(self) -> None:
         """After the server's own reconnect (a broker restart) presence is unknown again: the next

@@ -271,6 +271,66 @@ def test_a_second_process_with_a_devices_id_stops_the_first_instead_of_flapping(
         "two devices run with one --device-id", "own --device-id")
 
 
+def test_the_server_says_when_two_processes_run_as_one_device_but_not_when_a_device_restarts(tmp_path):
+    """A restarted device comes back as a newer process; a second process with the same --device-id
+    makes the older one come online again after the newer (before it sees the newer and stops). The
+    server says the second once, naming the device, and stays quiet about the first."""
+    from edgefl.config import NetworkSettings
+    from edgefl.methods import METHODS
+    from edgefl.server.endpoint import ServerEndpoint
+    from edgefl.transport.mqtt import MqttDeviceTransport, MqttServerTransport
+
+    topics = Topics("twins-seen")
+    events: list[tuple[str, dict]] = []
+    with mosquitto(tmp_path) as broker:
+        server = MqttServerTransport.connect(broker, topics, max_packet_bytes=1 << 20, keepalive_s=30)
+        endpoint = ServerEndpoint(NetworkSettings(), METHODS["fedavg"], server, ["client-0", "client-1"], "twins-seen",
+                                  num_classes=10, max_epochs=1, partial_max_age_s=60, on_event=lambda k, i: events.append((k, i)))
+
+        def connect(device: str) -> MqttDeviceTransport:
+            return MqttDeviceTransport.connect(broker, topics, device, max_packet_bytes=1 << 20, keepalive_s=30)
+
+        def pump(seconds: float, *devices: MqttDeviceTransport) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                endpoint.pump(0.1)
+                for d in devices:
+                    try:
+                        d.receive(0.05)
+                    except Exception:  # the older twin stops (its own test says how)
+                        pass
+
+        try:
+            first = connect("client-1")
+            pump(1.0, first)
+            first.close()  # a restart: the process goes, a newer one comes
+            time.sleep(0.05)
+            again = connect("client-1")
+            pump(1.5, again)
+            assert [k for k, _ in events if k == "twins"] == []
+            assert endpoint.instances["client-1"] == again.link.instance
+            older, newer = connect("client-0"), connect("client-0")
+            pump(8.0, older, newer, again)
+            twins = [i for k, i in events if k == "twins"]
+            assert len(twins) == 1 and twins[0]["device"] == "client-0", events
+            assert (twins[0]["older"], twins[0]["newer"]) == (older.link.instance, newer.link.instance)
+            assert endpoint.instances["client-0"] == newer.link.instance
+            for d in (older, newer, again):
+                d.close()
+        finally:
+            server.close()
+    # the server's console says it even in a fleet too large for a line per device
+    import io
+
+    from rich.console import Console
+
+    from edgefl.cli import _fleet_printer
+
+    buffer = io.StringIO()
+    _fleet_printer(Console(file=buffer, width=2000, color_system=None), 3, None, 10_000)("twins", twins[0])
+    assert "warning: two processes run as device client-0" in buffer.getvalue() and "own --device-id" in buffer.getvalue()
+
+
 def test_a_second_server_of_a_federation_stops_the_first_instead_of_flapping(tmp_path):
     """Two servers of one federation share the client id ``edgefl-<federation>-server``: before,
     each reconnect closed the other's connection, forever, and both sent their rounds to the same

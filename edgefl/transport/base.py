@@ -43,6 +43,8 @@ class Delivery:
     facts: dict[str, Any] = field(default_factory=dict)
     #: the broker replayed this from its retained store (a device never retains an upload)
     retained: bool = False
+    #: a presence's process ("<start time>-<random>", MQTT 5): tells two processes of one device id apart
+    instance: str | None = None
 
 
 class _Endpoint(ABC):

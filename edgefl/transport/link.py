@@ -62,12 +62,13 @@ class Incoming:
     topic: str
     payload: bytes
     retained: bool = False  # delivered from the broker's retained store (on subscribe), not live
+    instance: str | None = None  # a presence's INSTANCE_PROPERTY: which process of a client id said it
 
 
 INSTANCE_PROPERTY = "edgefl-instance"  # on a device's retained presence: "<unix start time>-<random>"
 
 
-def _started_later(other: str, mine: str) -> bool:
+def started_later(other: str, mine: str) -> bool:
     """Whether the process behind instance ``other`` started after this one (ties broken by the
     random part, so exactly one of two yields); an unreadable one is not."""
     def key(instance: str) -> tuple[float, str]:
@@ -208,11 +209,13 @@ class Link:
     def _on_message(self, client, userdata, msg) -> None:
         if self.yield_session and msg.topic == self.presence_topic:
             other = dict(getattr(msg.properties, "UserProperty", None) or []).get(INSTANCE_PROPERTY)
-            if isinstance(other, str) and other != self.instance and _started_later(other, self.instance):
+            if isinstance(other, str) and other != self.instance and started_later(other, self.instance):
                 self.taken_over.set()
                 client.disconnect()  # no reconnect: paho's loop stops retrying once a disconnect was asked for
             return
-        self.inbox.put(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain)))
+        instance = dict(getattr(msg.properties, "UserProperty", None) or []).get(INSTANCE_PROPERTY)
+        self.inbox.put(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain),
+                                instance[:64] if isinstance(instance, str) else None))
 
     # --- use ----------------------------------------------------------------------------------
     def open(self) -> None:

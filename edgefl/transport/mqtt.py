@@ -60,7 +60,7 @@ class MqttServerTransport(ServerTransport):
         if device is None:
             return Delivery("unknown", None, item.payload, where=item.topic)
         if item.topic == self.topics.presence(device):
-            return Delivery("presence", device, online=item.payload == b"online", where=item.topic)
+            return Delivery("presence", device, online=item.payload == b"online", where=item.topic, instance=item.instance)
         return Delivery("message", device, item.payload, where=item.topic, retained=item.retained)
 
     @property
