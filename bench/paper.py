@@ -73,6 +73,7 @@ from edgefl.config import apply_overrides  # noqa: E402
 from edgefl.environment import machine, package_versions, source_commit  # noqa: E402
 from edgefl.errors import EdgeflError  # noqa: E402
 from edgefl.rundir import RunDir  # noqa: E402
+from edgefl.safetext import printable  # noqa: E402
 
 RESNETS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
 
@@ -314,75 +315,118 @@ class MergeRefused(EdgeflError):
     """A --merge file that is not a table.json of this table, scale and config."""
 
 
+def _fraction_problem(value: Any) -> str | None:
+    """Why ``value`` is not an accuracy (a fraction in [0, 1]); None when it is one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"a {type(value).__name__} ({str(value)[:20]}), not a number"
+    if not math.isfinite(value) or not 0 <= value <= 1:
+        return f"{value:g}, not a fraction in [0, 1]" + (" (a percentage?)" if 1 < value <= 100 else "")
+    return None
+
+
 def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str, Any]:
-    """One cell of a --merge file, its fields checked (a file is trusted no more than a message)."""
+    """One cell of a --merge file, every field checked (a file is trusted no more than a message)."""
+    said = f"{where}: cell {cell.key}"
     accuracy = raw.get("accuracy")
     if not isinstance(accuracy, dict) or not accuracy or len(accuracy) > 8:
-        raise MergeRefused(f"{where}: cell {cell.key} has no accuracy table")
+        raise MergeRefused(f"{said} has no accuracy table (\"accuracy\": {{\"{cell.row}\": 0.0-1.0}})")
     for row, value in accuracy.items():
         if row not in rows:
-            raise MergeRefused(f"{where}: cell {cell.key} reports a row {str(row)[:40]!r} the table does not have")
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                  or not math.isfinite(value) or not 0 <= value <= 1):
-            raise MergeRefused(f"{where}: cell {cell.key}'s {row} accuracy is {str(value)[:20]}, not a fraction in [0, 1]")
+            raise MergeRefused(f"{said} reports a row {str(row)[:40]!r} the table does not have")
+        problem = None if value is None and row != cell.row else _fraction_problem(value)
+        if problem:  # (the cell's own row must have a number: a finished cell without one is not finished)
+            raise MergeRefused(f"{said}'s {row} accuracy is {problem}")
     if (raw.get("row"), raw.get("column"), raw.get("seed")) != (cell.row, cell.column, cell.seed):
-        raise MergeRefused(f"{where}: cell {cell.key} is recorded as ({str(raw.get('row'))[:30]}, {str(raw.get('column'))[:30]}, "
+        raise MergeRefused(f"{said} is recorded as ({str(raw.get('row'))[:30]}, {str(raw.get('column'))[:30]}, "
                            f"seed {str(raw.get('seed'))[:10]}), the table has it as ({cell.row}, {cell.column}, seed {cell.seed})")
+    if raw.get("metric", cell.metric) != cell.metric:
+        raise MergeRefused(f"{said} reports its {str(raw.get('metric'))[:20]} accuracy, the table its {cell.metric} one")
     kept = {k: raw.get(k) for k in ("run", "compute_device", "wall_time_s", "machine", "commit", "config")}
+    for key, kind in (("run", str), ("compute_device", str), ("commit", str), ("machine", dict), ("config", dict)):
+        if kept[key] is not None and not isinstance(kept[key], kind):
+            raise MergeRefused(f"{said}'s {key} is a {type(kept[key]).__name__}, not a {'string' if kind is str else 'table'}")
     for key in ("run", "compute_device", "commit"):
         if kept[key] is not None:
-            kept[key] = str(kept[key])[:300]
-    if not isinstance(kept["machine"], dict):
-        kept["machine"] = None
-    if not isinstance(kept["config"], dict):
-        kept["config"] = None
+            kept[key] = printable(kept[key], 300)
+    wall = kept["wall_time_s"]
+    if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0):
+        raise MergeRefused(f"{said}'s wall_time_s is {str(wall)[:20]}, not a number of seconds")
     return {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
             "accuracy": {str(r): v for r, v in accuracy.items()}, **kept}
 
 
+def _read_table_json(path: Path, name: str, scale: str, overrides: list[str]) -> list[Any]:
+    """The cells of an earlier sitting's table.json, once it is known to be one of this table, scale and --set."""
+    what = "--merge takes the table.json an earlier `bench paper` run wrote"
+    try:
+        size = path.stat().st_size
+        if size > MERGE_MAX_BYTES:
+            raise MergeRefused(f"{path} is {size / (1 << 20):.1f} MiB: not a table.json (those are kilobytes)", hint=what)
+        held = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise MergeRefused(f"{path} cannot be read as a table.json ({str(exc)[:120]})", hint=what) from None
+    if not isinstance(held, dict) or not isinstance(held.get("cells"), list):
+        raise MergeRefused(f"{path} is not a table.json (no list of cells)", hint=what)
+    if (held.get("table"), held.get("scale")) != (name, scale):
+        theirs = ("no table and scale" if held.get("table") is None and held.get("scale") is None else
+                  f"the {printable(held.get('table'), 40)} table at --scale {printable(held.get('scale'), 20)}")
+        raise MergeRefused(f"{path} holds {theirs}, not {name} at --scale {scale}")
+    if held.get("overrides") != overrides:
+        raise MergeRefused(f"{path}'s cells ran with --set {printable(held.get('overrides'), 200)}, this command's with "
+                           f"--set {overrides}: pass the same --set (a smoke run's cells are not the table's)")
+    return held["cells"][:10_000]
+
+
 def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: list[Cell], device: str,
-                overrides: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+                overrides: list[str], carried: Path | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """The finished cells of earlier sittings' table.json files (``--merge``), by cell key, and what
     was said of them. A file of another table, scale or --set, a cell recorded with another config
-    than this command's, or a malformed entry is refused (:class:`MergeRefused`); a cell of a seed
-    not asked for is left out; a cell in two files is taken from the first."""
+    than this command's, a malformed entry, or one cell given two different results is refused
+    (:class:`MergeRefused`); a cell of a seed not asked for is left out.
+
+    ``carried``: the output folder's own table.json, whose cells merged in an earlier report are
+    taken again (a report without ``--merge`` would otherwise drop them); its own cells are not
+    (their run directories are the record: one deleted to be run again is run again), and one
+    that does not fit this command is left alone, said in a note."""
     from edgefl.config import validate_config
 
     by_key = {c.key: c for c in cells}
     rows = {c.row for c in cells} | {r for r, _ in table.paper}
+    prefixes = {c.key.rsplit("-s", 1)[0] for c in cells}
     merged: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
-    for path in paths:
+    for path in [*paths, *([carried] if carried is not None and carried.is_file() and carried not in paths else [])]:
+        own = path == carried
         try:
-            if path.stat().st_size > MERGE_MAX_BYTES:
-                raise MergeRefused(f"{path} is {path.stat().st_size >> 20} MiB: not a table.json (those are kilobytes)")
-            held = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise MergeRefused(f"{path} cannot be read as a table.json ({str(exc)[:120]})",
-                               hint="--merge takes the table.json an earlier `bench paper` run wrote") from None
-        if not isinstance(held, dict) or not isinstance(held.get("cells"), list):
-            raise MergeRefused(f"{path} is not a table.json (no list of cells)",
-                               hint="--merge takes the table.json an earlier `bench paper` run wrote")
-        if (held.get("table"), held.get("scale")) != (name, scale):
-            raise MergeRefused(f"{path} holds the {str(held.get('table'))[:40]} table at --scale {str(held.get('scale'))[:20]}, "
-                               f"not {name} at --scale {scale}")
-        if held.get("overrides") != overrides:
-            raise MergeRefused(f"{path}'s cells ran with --set {held.get('overrides')!s:.200}, this command's with "
-                               f"--set {overrides}: pass the same --set (a smoke run's cells are not the table's)")
+            entries = _read_table_json(path, name, scale, overrides)
+        except MergeRefused as exc:
+            if not own:
+                raise
+            notes.append(f"the cells merged into {path} earlier are not carried: {exc.message}")
+            continue
         unasked, untold = 0, []
-        for raw in held["cells"][:10_000]:
+        for i, raw in enumerate(entries):
+            if own and not (isinstance(raw, dict) and raw.get("from")):
+                continue
             key = raw.get("cell") if isinstance(raw, dict) else None
-            cell = by_key.get(key) if isinstance(key, str) else None
+            if not isinstance(key, str):
+                raise MergeRefused(f"{path}: cells[{i}] names no cell (each entry is a table with a \"cell\" key)")
+            cell = by_key.get(key)
             if cell is None:
-                other_seed = re.fullmatch(r"(.+)-s(\d{1,9})", key) if isinstance(key, str) else None
-                if other_seed and other_seed[1] in {c.key.rsplit("-s", 1)[0] for c in cells}:
+                other_seed = re.fullmatch(r"(.+)-s(\d{1,9})", key)
+                if other_seed and other_seed[1] in prefixes:
                     unasked += 1  # the same cell at another seed
                     continue
-                raise MergeRefused(f"{path}: {str(key)[:60]!r} is not a cell of {name} at --scale {scale}")
-            if key in merged:
-                notes.append(f"{key}: in {merged[key]['from']} and {path}: taken from the first")
-                continue
+                raise MergeRefused(f"{path}: {printable(key, 60)!r} is not a cell of {name} at --scale {scale}")
             entry = _merged_entry(raw, cell, rows, str(path))
+            if key in merged:
+                first = merged[key]
+                if first["accuracy"] != entry["accuracy"] and not own:
+                    raise MergeRefused(f"{key} has two results: {first['accuracy']} in {first['from']}, {entry['accuracy']} in {path}",
+                                       hint="merge one of the two (or remove the cell from the other file)")
+                if first["accuracy"] != entry["accuracy"]:
+                    notes.append(f"{key}: the result merged earlier into {path} is replaced by the one in {first['from']}")
+                continue
             if entry["config"] is None:
                 untold.append(key)
             else:
@@ -392,12 +436,12 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
                     raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: " + "; ".join(differ[:3])
                                        + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""),
                                        hint="the table's setting changed since (see its commit), or its cells ran with another --set")
-            merged[key] = {**entry, "from": str(path)}
+            merged[key] = {**entry, "from": printable(raw["from"], 300) if own else str(path)}
         if unasked:
             notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out (--seeds takes them in)")
         if untold:
-            notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): "
-                         f"taken as this table's at commit(s) {', '.join(sorted({str(merged[k]['commit']) for k in untold}))}")
+            notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): taken as "
+                         f"this table's at commit(s) {', '.join(sorted({merged[k]['commit'] or 'unknown' for k in untold}))}")
     return merged, notes
 
 
@@ -598,10 +642,13 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     missing: list[str] = []
     partial: dict[tuple[str, str], list[dict[str, Any]]] = {}
     otherwise: dict[str, str] = {}
+    shadowed: list[str] = []  # merged cells whose run directory here finished too: the run directory counts
     for cell in cells:
         asked[cell.row, cell.column] = asked.get((cell.row, cell.column), 0) + 1
         why = ran_otherwise(cell, out, device, overrides)
         s = None if why else _summary(out / cell.key)
+        if s and not s.get("interrupted") and cell.key in merged:
+            shadowed.append(f"{cell.key} ({merged[cell.key]['from']})")
         if (not s or s.get("interrupted")) and cell.key in merged:  # finished in another sitting
             entry = merged[cell.key]
             for row, value in entry["accuracy"].items():
@@ -653,6 +700,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     for row in rows:
         print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
     print("(ours, paper's in brackets; mean +- sd over seeds)")
+    if shadowed:
+        print(f"{len(shadowed)} merged cell(s) finished in {out} too; its run directory counts, not the merged result: "
+              + "; ".join(shadowed[:4]) + (f" and {len(shadowed) - 4} more" if len(shadowed) > 4 else ""))
     earlier = [d for d in done if d.get("from")]
     if earlier:
         print(f"{len(earlier)} cell(s) from earlier sittings: "
@@ -785,7 +835,7 @@ def _check_cells(ap: argparse.ArgumentParser, cells: list[Cell], device: str, ov
         try:
             validate_config(_asked(cell, device, overrides), cell.key)
         except EdgeflError as exc:
-            ap.error(f"{exc}" + (f" (hint: {exc.hint})" if getattr(exc, "hint", None) else ""))
+            ap.error(exc.message + (f" (hint: {exc.hint})" if exc.hint else ""))
     if device == "cuda" and running:
         import torch
 
@@ -828,6 +878,10 @@ def main() -> None:
                          "this command's config. Repeatable")
     args = ap.parse_args()
     seeds = _seeds(args.seeds, ap)
+    given = [flag for flag, on in (("--merge", args.merge), ("--report-only", args.report_only), ("--cells", args.cells is not None),
+                                   ("--probe", args.probe is not None), ("--set", args.overrides), ("--out", args.out)) if on]
+    if args.table is None and given and not args.list:
+        ap.error(f"{', '.join(given)} need(s) a TABLE: one of {', '.join(sorted(TABLES))} (--list says what each holds)")
     if args.list or args.table is None:
         print(f"--scale {args.scale}: {SCALES[args.scale]} (--scale {'paper' if args.scale == 'cpu' else 'cpu'} lists the other)\n")
         for name, table in TABLES.items():
@@ -850,7 +904,7 @@ def main() -> None:
                      + (" (a cell of another seed needs --seeds)" if any("-s" in k for k in unknown) else ""))
         cells = [c for c in cells if c.key in wanted]
     out = args.out or RESULTS / "paper" / f"{args.table}-{args.scale}"
-    if args.report_only and not out.is_dir():
+    if args.report_only and not out.is_dir() and not args.merge:
         ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
     other = _other_table(out, args.table, args.scale)
     if other:
@@ -863,9 +917,10 @@ def main() -> None:
     if args.merge and args.probe is not None:
         ap.error("--probe times cells and --merge counts finished ones: give one of them")
     try:
-        merged, merge_notes = load_merged(args.merge, args.table, table, args.scale, every_cell, args.device, args.overrides)
+        merged, merge_notes = load_merged(args.merge, args.table, table, args.scale, every_cell, args.device, args.overrides,
+                                          carried=out / "table.json")
     except MergeRefused as exc:
-        ap.error(f"--merge: {exc}" + (f" (hint: {exc.hint})" if getattr(exc, "hint", None) else ""))
+        ap.error(f"--merge: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
     for line in merge_notes:
         print(f"--merge: {line}", flush=True)
     if not args.report_only:

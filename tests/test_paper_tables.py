@@ -266,6 +266,16 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     changed = {**cell, "config": {**cell["config"], "method": {**cell["config"]["method"], "name": "fedavg"}}}
     assert "method.name: 'fedavg' there, 'chfl' asked" in refused({**earlier, "cells": [changed]}, *smoke)
     assert "is not a table.json" in refused(["not", "a", "table"], *smoke)
+    # an outside trial's: a null result counted a cell as finished that was never reported nor run
+    assert "CHFL accuracy is a NoneType" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": None}}]}, *smoke)
+    assert "a str (0.8), not a number" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": "0.8"}}]}, *smoke)
+    assert "(a percentage?)" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 81.5}}]}, *smoke)
+    assert "its final accuracy, the table its best one" in refused({**earlier, "cells": [{**cell, "metric": "final"}]}, *smoke)
+    assert "config is a str" in refused({**earlier, "cells": [{**cell, "config": "hello"}]}, *smoke)
+    assert "wall_time_s is -5" in refused({**earlier, "cells": [{**cell, "wall_time_s": -5}]}, *smoke)
+    assert "cells[0] names no cell" in refused({**earlier, "cells": ["chfl-iid-s0"]}, *smoke)
+    two = refused({**earlier, "cells": [cell, {**cell, "accuracy": {"CHFL": 0.5}}]}, *smoke)
+    assert "chfl-iid-s0 has two results" in two and two.count("hint:") == 1  # (the hint was printed twice)
     (tmp_path / "bad.json").write_text("{not json")
     garbled = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *smoke,
                               "--merge", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -276,3 +286,17 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     old = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *smoke,
                           "--merge", str(tmp_path / "old.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert old.returncode == 0 and "recorded no config" in old.stdout and cell["commit"] in old.stdout, old.stderr[-2000:]
+    # --report-only --merge into a folder that does not exist yet (the run directories are gone)
+    fresh = tmp_path / "fresh"
+    made = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, *merge],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert made.returncode == 0 and json.loads((fresh / "table.json").read_text())["merged_from"] == [str(first / "table.json")]
+    # a later report of that folder without --merge keeps the merged cell (it dropped it before)
+    later = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    kept = json.loads((fresh / "table.json").read_text())
+    assert later.returncode == 0 and [c["cell"] for c in kept["cells"]] == ["chfl-iid-s0"], later.stdout[-2000:]
+    assert kept["cells"][0]["from"] == str(first / "table.json")
+    # options that need a table, without one, are a usage error (they were ignored)
+    bare = subprocess.run([sys.executable, script, "--report-only", *merge], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bare.returncode == 2 and "need(s) a TABLE" in bare.stderr
