@@ -213,6 +213,11 @@ class Link:
                 self.taken_over.set()
                 client.disconnect()  # no reconnect: paho's loop stops retrying once a disconnect was asked for
             return
+        if not any(self._mqtt.topic_matches_sub(sub, msg.topic) for sub in self.subscriptions):
+            # a session resumed from an earlier process of this client id keeps that one's
+            # subscriptions (MQTT 3.1.1 always resumes): what they bring is not this link's
+            log.debug("%s: dropped a message on %s, a topic it did not subscribe to", self.client_id, msg.topic)
+            return
         instance = dict(getattr(msg.properties, "UserProperty", None) or []).get(INSTANCE_PROPERTY)
         self.inbox.put(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain),
                                 instance[:64] if isinstance(instance, str) else None))
