@@ -621,10 +621,12 @@ def client(
             from edgefl.profile import load_profile
 
             raw_profile = load_profile(profile).to_dict()
-        results = run_device_held(device_id, broker, fed, data, loader=loader, profile=raw_profile, timeout_s=timeout, username=user,
-                                  password=password, ca_file=str(ca_file) if ca_file else None,
-                                  state_dir=state_dir if keep_state else None, say=lambda text: err.print(text, markup=False, highlight=False),
-                                  broker_wait_s=broker_wait, verifier=verifier, progress=_device_progress)
+        with _device_stopped(device_id, state_dir if keep_state else None):
+            results = run_device_held(device_id, broker, fed, data, loader=loader, profile=raw_profile, timeout_s=timeout, username=user,
+                                      password=password, ca_file=str(ca_file) if ca_file else None,
+                                      state_dir=state_dir if keep_state else None,
+                                      say=lambda text: err.print(text, markup=False, highlight=False),
+                                      broker_wait_s=broker_wait, verifier=verifier, progress=_device_progress)
         err.print(f"{device_id}: {len(results)} rounds served")
         return
     from edgefl.config import load_config
@@ -636,10 +638,23 @@ def client(
         raise EdgeflError(f"--federation {federation} differs from the config's {federation_of(cfg)}", hint="drop --federation with --config")
     if keep_state and state_dir is None:
         state_dir = device_state_dir(federation_of(cfg), device_id)
-    results = run_device(cfg, device_id, broker, timeout, user, password,
-                         str(ca_file) if ca_file else None, state_dir if keep_state else None, broker_wait_s=broker_wait, verifier=verifier,
-                         progress=_device_progress)
+    with _device_stopped(device_id, state_dir if keep_state else None):
+        results = run_device(cfg, device_id, broker, timeout, user, password,
+                             str(ca_file) if ca_file else None, state_dir if keep_state else None, broker_wait_s=broker_wait,
+                             verifier=verifier, progress=_device_progress)
     err.print(f"{device_id}: {len(results)} rounds served")
+
+
+@contextmanager
+def _device_stopped(device_id: str, state_dir: Path | None):
+    """Ctrl-C of `edgefl client` says what it leaves and exits 130 (it exited without a word)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        kept = (f"; its state is in {state_dir}: started again with the same command it goes on in the server's run"
+                if state_dir is not None else " (--no-state: nothing kept)")
+        err.print(f"{device_id}: stopped{kept}")
+        raise typer.Exit(130) from None
 
 
 def _device_progress(line: str) -> None:

@@ -389,3 +389,20 @@ def test_a_devices_new_process_drops_what_the_broker_queued_for_the_old_one_and_
         finally:
             new.close()
             server.stop()
+
+
+def test_a_device_stopped_with_ctrl_c_says_what_it_leaves(tmp_path):
+    """`edgefl client` exited 130 without a word on Ctrl-C (the server says what it saved)."""
+    cfg = fleet_config("fedavg", rounds=2, federation="ctrl-c")
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    with mosquitto(tmp_path) as broker:
+        device = _device(path, broker, "client-0", tmp_path / "state", tmp_path / "client.log")
+        try:
+            wait_online(broker, "ctrl-c", ["client-0"])
+            device.send_signal(signal.SIGINT)
+            assert device.wait(60) == 130
+        finally:
+            device.kill()
+    said = (tmp_path / "client.log").read_text()
+    assert f"client-0: stopped; its state is in {tmp_path / 'state'}" in said, said[-2000:]
