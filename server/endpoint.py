@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -45,6 +46,9 @@ from edgefl.transport.link import started_later
 from edgefl.transport.topics import is_safe_name
 
 log = logging.getLogger("edgefl.server")
+
+#: a presence's process as edgefl's link writes it: "<unix start time>-<random hex>"
+INSTANCE_FORMAT = re.compile(r"\d{1,12}(\.\d{1,9})?-[0-9a-f]{1,32}")
 STRANGER_NACK_EVERY_S = 10.0  # at most one nack per unknown device id in this many seconds
 MAX_STRANGERS = 1000  # unknown ids remembered for that rate limit
 
@@ -436,6 +440,8 @@ class ServerEndpoint:
         """A device restarting comes back as a newer process; one that comes online after a newer
         process of its id is another process running with the same --device-id (the two take the
         broker connection from each other until the older sees the newer and stops): said once."""
+        if not INSTANCE_FORMAT.fullmatch(instance):  # (from the network: a presence is not trusted either)
+            return
         latest = self.instances.get(device)
         if latest is None or latest == instance or not started_later(latest, instance):
             self.instances[device] = instance

@@ -278,6 +278,7 @@ def test_the_server_says_when_two_processes_run_as_one_device_but_not_when_a_dev
     from edgefl.config import NetworkSettings
     from edgefl.methods import METHODS
     from edgefl.server.endpoint import ServerEndpoint
+    from edgefl.transport.base import Delivery
     from edgefl.transport.mqtt import MqttDeviceTransport, MqttServerTransport
 
     topics = Topics("twins-seen")
@@ -315,6 +316,9 @@ def test_the_server_says_when_two_processes_run_as_one_device_but_not_when_a_dev
             assert len(twins) == 1 and twins[0]["device"] == "client-0", events
             assert (twins[0]["older"], twins[0]["newer"]) == (older.link.instance, newer.link.instance)
             assert endpoint.instances["client-0"] == newer.link.instance
+            for hostile in ("nan-00", "inf-ab", "0-zz", "1e3-ab", "x" * 500, ""):  # a presence is trusted no more than an upload
+                endpoint.handle(Delivery("presence", "client-0", online=True, where="p", instance=hostile))
+            assert endpoint.instances["client-0"] == newer.link.instance and len([k for k, _ in events if k == "twins"]) == 1
             for d in (older, newer, again):
                 d.close()
         finally:
