@@ -355,8 +355,8 @@ def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str,
             "accuracy": {str(r): v for r, v in accuracy.items()}, **kept}
 
 
-def _read_table_json(path: Path, name: str, scale: str, overrides: list[str]) -> list[Any]:
-    """The cells of an earlier sitting's table.json, once it is known to be one of this table, scale and --set."""
+def _read_table_json(path: Path) -> dict[str, Any]:
+    """An earlier sitting's table.json, as far as its shape: a table with a list of cells."""
     what = "--merge takes the table.json an earlier `bench paper` run wrote"
     try:
         size = path.stat().st_size
@@ -367,6 +367,11 @@ def _read_table_json(path: Path, name: str, scale: str, overrides: list[str]) ->
         raise MergeRefused(f"{path} cannot be read as a table.json ({str(exc)[:120]})", hint=what) from None
     if not isinstance(held, dict) or not isinstance(held.get("cells"), list):
         raise MergeRefused(f"{path} is not a table.json (no list of cells)", hint=what)
+    return held
+
+
+def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str, overrides: list[str]) -> None:
+    """Refuse a table.json of another table, scale or --set than this command's."""
     if (held.get("table"), held.get("scale")) != (name, scale):
         theirs = ("no table and scale" if held.get("table") is None and held.get("scale") is None else
                   f"the {printable(held.get('table'), 40)} table at --scale {printable(held.get('scale'), 20)}")
@@ -374,7 +379,6 @@ def _read_table_json(path: Path, name: str, scale: str, overrides: list[str]) ->
     if held.get("overrides") != overrides:
         raise MergeRefused(f"{path}'s cells ran with --set {printable(held.get('overrides'), 200)}, this command's with "
                            f"--set {overrides}: pass the same --set (a smoke run's cells are not the table's)")
-    return held["cells"][:10_000]
 
 
 def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: list[Cell], device: str,
@@ -388,8 +392,6 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
     taken again (a report without ``--merge`` would otherwise drop them); its own cells are not
     (their run directories are the record: one deleted to be run again is run again), and one
     that does not fit this command is left alone, said in a note."""
-    from edgefl.config import validate_config
-
     by_key = {c.key: c for c in cells}
     rows = {c.row for c in cells} | {r for r, _ in table.paper}
     prefixes = {c.key.rsplit("-s", 1)[0] for c in cells}
@@ -398,7 +400,18 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
     for path in [*paths, *([carried] if carried is not None and carried.is_file() and carried not in paths else [])]:
         own = path == carried
         try:
-            entries = _read_table_json(path, name, scale, overrides)
+            held = _read_table_json(path)
+        except MergeRefused:
+            if own:  # (the folder's own file, unreadable: the report writes it anew)
+                continue
+            raise
+        entries = held["cells"][:10_000]
+        if own:
+            entries = [raw for raw in entries if isinstance(raw, dict) and raw.get("from")]
+        if not entries:
+            continue
+        try:
+            _check_fits(held, path, name, scale, overrides)
         except MergeRefused as exc:
             if not own:
                 raise
@@ -406,43 +419,61 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             continue
         unasked, untold = 0, []
         for i, raw in enumerate(entries):
-            if own and not (isinstance(raw, dict) and raw.get("from")):
+            try:
+                entry = _merged_cell(raw, i, path, f"{name} at --scale {scale}", by_key, prefixes, rows, device, overrides, merged, own)
+            except MergeRefused as exc:
+                if not own:
+                    raise
+                notes.append(f"a cell merged into {path} earlier is not carried: {exc.message}")
                 continue
-            key = raw.get("cell") if isinstance(raw, dict) else None
-            if not isinstance(key, str):
-                raise MergeRefused(f"{path}: cells[{i}] names no cell (each entry is a table with a \"cell\" key)")
-            cell = by_key.get(key)
-            if cell is None:
-                other_seed = re.fullmatch(r"(.+)-s(\d{1,9})", key)
-                if other_seed and other_seed[1] in prefixes:
-                    unasked += 1  # the same cell at another seed
-                    continue
-                raise MergeRefused(f"{path}: {printable(key, 60)!r} is not a cell of {name} at --scale {scale}")
-            entry = _merged_entry(raw, cell, rows, str(path))
+            if entry is None:
+                unasked += 1
+                continue
+            key = entry["cell"]
             if key in merged:
-                first = merged[key]
-                if first["accuracy"] != entry["accuracy"] and not own:
-                    raise MergeRefused(f"{key} has two results: {first['accuracy']} in {first['from']}, {entry['accuracy']} in {path}",
-                                       hint="merge one of the two (or remove the cell from the other file)")
-                if first["accuracy"] != entry["accuracy"]:
-                    notes.append(f"{key}: the result merged earlier into {path} is replaced by the one in {first['from']}")
+                if merged[key]["accuracy"] != entry["accuracy"]:
+                    notes.append(f"{key}: the result merged earlier into {path} is replaced by the one in {merged[key]['from']}")
                 continue
             if entry["config"] is None:
                 untold.append(key)
-            else:
-                want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
-                differ = [f"{k}: {a!r} there, {b!r} asked" for k, a, b in _differences(entry["config"], want) if k != "device"]
-                if differ:
-                    raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: " + "; ".join(differ[:3])
-                                       + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""),
-                                       hint="the table's setting changed since (see its commit), or its cells ran with another --set")
-            merged[key] = {**entry, "from": printable(raw["from"], 300) if own else str(path)}
+            merged[key] = entry
         if unasked:
             notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out (--seeds takes them in)")
         if untold:
             notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): taken as "
                          f"this table's at commit(s) {', '.join(sorted({merged[k]['commit'] or 'unknown' for k in untold}))}")
     return merged, notes
+
+
+def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, Cell], prefixes: set[str], rows: set[str],
+                 device: str, overrides: list[str], merged: dict[str, dict[str, Any]], own: bool) -> dict[str, Any] | None:
+    """Entry ``i`` of a --merge file, checked: the cell's record with ``from`` set; None for a cell of
+    a seed not asked for. Refused (:class:`MergeRefused`): a malformed entry, another config than
+    this command's, and a second, different result for a cell an earlier --merge file gave."""
+    from edgefl.config import validate_config
+
+    key = raw.get("cell") if isinstance(raw, dict) else None
+    if not isinstance(key, str):
+        raise MergeRefused(f"{path}: cells[{i}] names no cell (each entry is a table with a \"cell\" key)")
+    cell = by_key.get(key)
+    if cell is None:
+        other_seed = re.fullmatch(r"(.+)-s(\d{1,9})", key)
+        if other_seed and other_seed[1] in prefixes:
+            return None  # the same cell at another seed
+        raise MergeRefused(f"{path}: {printable(key, 60)!r} is not a cell of {table_of}")
+    entry = _merged_entry(raw, cell, rows, str(path))
+    first = merged.get(key)
+    if first is not None and first["accuracy"] != entry["accuracy"] and not own:
+        raise MergeRefused(f"{key} has two results: {first['accuracy']} in {first['from']}, {entry['accuracy']} in {path}",
+                           hint="merge one of the two (or remove the cell from the other file)")
+    if entry["config"] is not None:
+        want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
+        differ = [f"{k}: {a!r} there, {b!r} asked" for k, a, b in _differences(entry["config"], want) if k != "device"]
+        if differ:
+            raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: " + "; ".join(differ[:3])
+                               + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""),
+                               hint="the table's setting changed since (see its commit), or its cells ran with another --set")
+    return {**entry, "from": printable(raw["from"], 300) if own else str(path)}
 
 
 def _simulate_command(config: dict[str, Any], cfg_path: Path, run: Path) -> list[str]:

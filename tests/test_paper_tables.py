@@ -297,6 +297,12 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     kept = json.loads((fresh / "table.json").read_text())
     assert later.returncode == 0 and [c["cell"] for c in kept["cells"]] == ["chfl-iid-s0"], later.stdout[-2000:]
     assert kept["cells"][0]["from"] == str(first / "table.json")
+    # a carried cell that no longer fits the command (the table's setting changed since) is said, not an error
+    kept["cells"][0]["config"]["method"]["name"] = "fedavg"
+    (fresh / "table.json").write_text(json.dumps(kept))
+    moved = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert moved.returncode == 0 and "is not carried" in moved.stdout and "method.name: 'fedavg' there" in moved.stdout, moved.stderr
     # options that need a table, without one, are a usage error (they were ignored)
     bare = subprocess.run([sys.executable, script, "--report-only", *merge], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bare.returncode == 2 and "need(s) a TABLE" in bare.stderr
