@@ -401,7 +401,12 @@ def test_a_device_stopped_with_ctrl_c_says_what_it_leaves(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(cfg.to_toml())
     with mosquitto(tmp_path) as broker:
-        device = _device(path, broker, "client-0", tmp_path / "state", tmp_path / "client.log")
+        with open(tmp_path / "client.log", "ab") as log:
+            device = subprocess.Popen([sys.executable, "-m", "edgefl", "client", "--broker", broker, "--config", str(path),
+                                       "--device-id", "client-0", "--state-dir", str(tmp_path / "state")],
+                                      stdout=log, stderr=subprocess.STDOUT,
+                                      # a test runner's worker may run with SIGINT ignored, and its children inherit that
+                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             wait_online(broker, "ctrl-c", ["client-0"])
             device.send_signal(signal.SIGINT)
