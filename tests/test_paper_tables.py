@@ -248,34 +248,38 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     assert row[("SOLO", "iid")]["state"] == "done" and table["merged_from"] == [str(first / "table.json")]
     assert "1 cell(s) from earlier sittings" in both.stdout
 
-    def refused(payload: dict, *args: str) -> str:
+    paper = _paper()  # the refusals in this process: each a command's seconds of start-up otherwise
+
+    def refused(payload: dict, overrides: tuple[str, ...] = ("rounds=3",)) -> str:
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps(payload))
-        out = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *args,
-                              "--merge", str(bad)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert out.returncode == 2, out.stdout[-2000:]
-        return out.stderr
+        table = paper.TABLES["chfl"]
+        with pytest.raises(paper.MergeRefused) as exc:
+            paper.load_merged([bad], "chfl", table, "cpu", table.cells("cpu", 0), "auto", list(overrides))
+        return exc.value.message
 
-    (tmp_path / "third").mkdir()
-    assert "this command's with --set []" in refused(earlier)  # a smoke run's cells are not the table's
-    assert "holds the fedhe table" in refused({**earlier, "table": "fedhe"}, *smoke)
+    assert "this command's with --set []" in refused(earlier, ())  # a smoke run's cells are not the table's
+    assert "holds the fedhe table" in refused({**earlier, "table": "fedhe"})
     cell = earlier["cells"][0]
-    assert "not a fraction in [0, 1]" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 2.5}}]}, *smoke)
-    assert "a row 'Oracle'" in refused({**earlier, "cells": [{**cell, "accuracy": {"Oracle": 0.9}}]}, *smoke)
-    assert "'chfl-iid-s0; rm'" in refused({**earlier, "cells": [{**cell, "cell": "chfl-iid-s0; rm"}]}, *smoke)
+    assert "not a fraction in [0, 1]" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 2.5}}]})
+    assert "a row 'Oracle'" in refused({**earlier, "cells": [{**cell, "accuracy": {"Oracle": 0.9}}]})
+    assert "'chfl-iid-s0; rm'" in refused({**earlier, "cells": [{**cell, "cell": "chfl-iid-s0; rm"}]})
     changed = {**cell, "config": {**cell["config"], "method": {**cell["config"]["method"], "name": "fedavg"}}}
-    assert "method.name: 'fedavg' there, 'chfl' asked" in refused({**earlier, "cells": [changed]}, *smoke)
-    assert "is not a table.json" in refused(["not", "a", "table"], *smoke)
+    assert "method.name: 'fedavg' there, 'chfl' asked" in refused({**earlier, "cells": [changed]})
+    assert "is not a table.json" in refused(["not", "a", "table"])
     # an outside trial's: a null result counted a cell as finished that was never reported nor run
-    assert "CHFL accuracy is a NoneType" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": None}}]}, *smoke)
-    assert "a str (0.8), not a number" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": "0.8"}}]}, *smoke)
-    assert "(a percentage?)" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 81.5}}]}, *smoke)
-    assert "its final accuracy, the table its best one" in refused({**earlier, "cells": [{**cell, "metric": "final"}]}, *smoke)
-    assert "config is a str" in refused({**earlier, "cells": [{**cell, "config": "hello"}]}, *smoke)
-    assert "wall_time_s is -5" in refused({**earlier, "cells": [{**cell, "wall_time_s": -5}]}, *smoke)
-    assert "cells[0] names no cell" in refused({**earlier, "cells": ["chfl-iid-s0"]}, *smoke)
-    two = refused({**earlier, "cells": [cell, {**cell, "accuracy": {"CHFL": 0.5}}]}, *smoke)
-    assert "chfl-iid-s0 has two results" in two and two.count("hint:") == 1  # (the hint was printed twice)
+    assert "CHFL accuracy is a NoneType" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": None}}]})
+    assert "a str (0.8), not a number" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": "0.8"}}]})
+    assert "(a percentage?)" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 81.5}}]})
+    assert "its final accuracy, the table its best one" in refused({**earlier, "cells": [{**cell, "metric": "final"}]})
+    assert "config is a str" in refused({**earlier, "cells": [{**cell, "config": "hello"}]})
+    assert "wall_time_s is -5" in refused({**earlier, "cells": [{**cell, "wall_time_s": -5}]})
+    assert "cells[0] names no cell" in refused({**earlier, "cells": ["chfl-iid-s0"]})
+    (tmp_path / "bad.json").write_text(json.dumps({**earlier, "cells": [cell, {**cell, "accuracy": {"CHFL": 0.5}}]}))
+    two = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *smoke,
+                          "--merge", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert two.returncode == 2 and "chfl-iid-s0 has two results" in two.stderr
+    assert two.stderr.count("hint:") == 1  # (the hint was printed twice)
     (tmp_path / "bad.json").write_text("{not json")
     garbled = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *smoke,
                               "--merge", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
