@@ -953,7 +953,7 @@ def main() -> None:
     except MergeRefused as exc:
         ap.error(f"--merge: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
     for line in merge_notes:
-        print(f"--merge: {line}", flush=True)
+        print(f"merged cells: {line}", flush=True)
     if not args.report_only:
         if args.probe is None:
             otherwise = [(c.key, why) for c in cells if (why := ran_otherwise(c, out, args.device, args.overrides))]
