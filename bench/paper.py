@@ -87,6 +87,7 @@ class Cell:
     config: dict[str, Any]
     metric: str = "final"  # "final": the last evaluation; "best": the best over the run (the paper's habit for CHFL)
     extra: Callable[[dict[str, Any]], dict[str, float]] | None = None  # more rows from the same run (FedMHO's FedAvg reference)
+    extra_rows: tuple[str, ...] = ()  # the rows ``extra`` may fill
 
 
 @dataclass
@@ -202,7 +203,8 @@ def _fedmho(scale: str, seed: int) -> list[Cell]:
                 **({"network": {"max_message_bytes": 320 << 20, "max_partial_bytes_total": 1 << 30}} if paper else {}),
             }
             cells.append(Cell(f"{method}-a{alpha}-s{seed}", row, f"Dir {alpha}", seed, raw,
-                              extra=_fedavg_reference if method == "fedmho" else None))
+                              extra=_fedavg_reference if method == "fedmho" else None,
+                              extra_rows=("FedAvg",) if method == "fedmho" else ()))
     return cells
 
 
@@ -315,10 +317,20 @@ class MergeRefused(EdgeflError):
     """A --merge file that is not a table.json of this table, scale and config."""
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {str: "a string", int: "a number", float: "a number", list: "a list", dict: "a table"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
 def _fraction_problem(value: Any) -> str | None:
     """Why ``value`` is not an accuracy (a fraction in [0, 1]); None when it is one."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"a {type(value).__name__} ({str(value)[:20]}), not a number"
+        return f"{_json_kind(value)} ({json.dumps(value)[:20]}), not a number"
     if not math.isfinite(value) or not 0 <= value <= 1:
         return f"{value:g}, not a fraction in [0, 1]" + (" (a percentage?)" if 1 < value <= 100 else "")
     return None
@@ -330,9 +342,12 @@ def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str,
     accuracy = raw.get("accuracy")
     if not isinstance(accuracy, dict) or not accuracy or len(accuracy) > 8:
         raise MergeRefused(f"{said} has no accuracy table (\"accuracy\": {{\"{cell.row}\": 0.0-1.0}})")
+    if cell.row not in accuracy:  # a finished cell has its own row's result
+        raise MergeRefused(f"{said} has no {cell.row} accuracy (its own row)")
     for row, value in accuracy.items():
-        if row not in rows:
-            raise MergeRefused(f"{said} reports a row {str(row)[:40]!r} the table does not have")
+        if row not in (cell.row, *cell.extra_rows):
+            theirs = "the table does not have" if row not in rows else "another cell fills"
+            raise MergeRefused(f"{said} reports a row {printable(row, 40)!r} {theirs}")
         problem = None if value is None and row != cell.row else _fraction_problem(value)
         if problem:  # (the cell's own row must have a number: a finished cell without one is not finished)
             raise MergeRefused(f"{said}'s {row} accuracy is {problem}")
@@ -344,13 +359,13 @@ def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str,
     kept = {k: raw.get(k) for k in ("run", "compute_device", "wall_time_s", "machine", "commit", "config")}
     for key, kind in (("run", str), ("compute_device", str), ("commit", str), ("machine", dict), ("config", dict)):
         if kept[key] is not None and not isinstance(kept[key], kind):
-            raise MergeRefused(f"{said}'s {key} is a {type(kept[key]).__name__}, not a {'string' if kind is str else 'table'}")
+            raise MergeRefused(f"{said}'s {key} is {_json_kind(kept[key])}, not {'a string' if kind is str else 'a table'}")
     for key in ("run", "compute_device", "commit"):
         if kept[key] is not None:
             kept[key] = printable(kept[key], 300)
     wall = kept["wall_time_s"]
     if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0):
-        raise MergeRefused(f"{said}'s wall_time_s is {str(wall)[:20]}, not a number of seconds")
+        raise MergeRefused(f"{said}'s wall_time_s is {json.dumps(wall)[:20]}, not a number of seconds")
     return {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
             "accuracy": {str(r): v for r, v in accuracy.items()}, **kept}
 
@@ -424,7 +439,7 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             except MergeRefused as exc:
                 if not own:
                     raise
-                notes.append(f"a cell merged into {path} earlier is not carried: {exc.message}")
+                notes.append(f"a cell merged earlier is not carried: {exc.message}")
                 continue
             if entry is None:
                 unasked += 1
@@ -464,8 +479,10 @@ def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, 
     entry = _merged_entry(raw, cell, rows, str(path))
     first = merged.get(key)
     if first is not None and first["accuracy"] != entry["accuracy"] and not own:
-        raise MergeRefused(f"{key} has two results: {first['accuracy']} in {first['from']}, {entry['accuracy']} in {path}",
-                           hint="merge one of the two (or remove the cell from the other file)")
+        where = (f"twice in {path}: {first['accuracy']} and {entry['accuracy']}" if first["from"] == str(path) else
+                 f"{first['accuracy']} in {first['from']}, {entry['accuracy']} in {path}")
+        raise MergeRefused(f"{key} has two results, {where}", hint="keep one of the two (remove the cell from the other file, or the "
+                                                                    "other entry from the file)")
     if entry["config"] is not None:
         want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
         differ = [f"{k}: {a!r} there, {b!r} asked" for k, a, b in _differences(entry["config"], want) if k != "device"]
@@ -679,7 +696,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
         why = ran_otherwise(cell, out, device, overrides)
         s = None if why else _summary(out / cell.key)
         if s and not s.get("interrupted") and cell.key in merged:
-            shadowed.append(f"{cell.key} ({merged[cell.key]['from']})")
+            here, there = _accuracy(s, cell.metric), merged[cell.key]["accuracy"].get(cell.row)
+            shadowed.append(f"{cell.key} ({merged[cell.key]['from']}" + ("" if here == there else f": {there} there, {here} here") + ")")
         if (not s or s.get("interrupted")) and cell.key in merged:  # finished in another sitting
             entry = merged[cell.key]
             for row, value in entry["accuracy"].items():
@@ -732,7 +750,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
         print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
     print("(ours, paper's in brackets; mean +- sd over seeds)")
     if shadowed:
-        print(f"{len(shadowed)} merged cell(s) finished in {out} too; its run directory counts, not the merged result: "
+        print(f"{len(shadowed)} merged cell(s) finished in {out} too; the run directories there count, not the merged results: "
               + "; ".join(shadowed[:4]) + (f" and {len(shadowed) - 4} more" if len(shadowed) > 4 else ""))
     earlier = [d for d in done if d.get("from")]
     if earlier:
@@ -912,7 +930,8 @@ def main() -> None:
     given = [flag for flag, on in (("--merge", args.merge), ("--report-only", args.report_only), ("--cells", args.cells is not None),
                                    ("--probe", args.probe is not None), ("--set", args.overrides), ("--out", args.out)) if on]
     if args.table is None and given and not args.list:
-        ap.error(f"{', '.join(given)} need(s) a TABLE: one of {', '.join(sorted(TABLES))} (--list says what each holds)")
+        ap.error(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} a TABLE: one of {', '.join(sorted(TABLES))} "
+                 "(--list says what each holds)")
     if args.list or args.table is None:
         print(f"--scale {args.scale}: {SCALES[args.scale]} (--scale {'paper' if args.scale == 'cpu' else 'cpu'} lists the other)\n")
         for name, table in TABLES.items():

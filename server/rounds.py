@@ -261,7 +261,7 @@ class SyncRounds(RoundPolicy):
                 st.all_offline = True  # no grace either: nobody is left to report
                 if len(st.reported) >= quorum:
                     return "offline"
-                st.failure = f"no quorum ({len(st.reported)} of {quorum} reported): every device still out went offline"
+                st.failure = f"no quorum ({len(st.reported)} of {quorum} needed reported): every device still out went offline"
                 return "failed"
             if remaining <= 0:
                 if len(st.reported) >= quorum:

@@ -262,19 +262,22 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     assert "holds the fedhe table" in refused({**earlier, "table": "fedhe"})
     cell = earlier["cells"][0]
     assert "not a fraction in [0, 1]" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 2.5}}]})
-    assert "a row 'Oracle'" in refused({**earlier, "cells": [{**cell, "accuracy": {"Oracle": 0.9}}]})
+    assert "a row 'Oracle' the table does not have" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 0.9, "Oracle": 0.9}}]})
     assert "'chfl-iid-s0; rm'" in refused({**earlier, "cells": [{**cell, "cell": "chfl-iid-s0; rm"}]})
     changed = {**cell, "config": {**cell["config"], "method": {**cell["config"]["method"], "name": "fedavg"}}}
     assert "method.name: 'fedavg' there, 'chfl' asked" in refused({**earlier, "cells": [changed]})
     assert "is not a table.json" in refused(["not", "a", "table"])
     # an outside trial's: a null result counted a cell as finished that was never reported nor run
-    assert "CHFL accuracy is a NoneType" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": None}}]})
-    assert "a str (0.8), not a number" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": "0.8"}}]})
+    assert "CHFL accuracy is null" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": None}}]})
+    assert 'a string ("0.8"), not a number' in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": "0.8"}}]})
     assert "(a percentage?)" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 81.5}}]})
     assert "its final accuracy, the table its best one" in refused({**earlier, "cells": [{**cell, "metric": "final"}]})
-    assert "config is a str" in refused({**earlier, "cells": [{**cell, "config": "hello"}]})
+    assert "config is a string" in refused({**earlier, "cells": [{**cell, "config": "hello"}]})
     assert "wall_time_s is -5" in refused({**earlier, "cells": [{**cell, "wall_time_s": -5}]})
     assert "cells[0] names no cell" in refused({**earlier, "cells": ["chfl-iid-s0"]})
+    # a second trial's: a result for another row only (the cell counted as finished again), or beside its own
+    assert "has no CHFL accuracy (its own row)" in refused({**earlier, "cells": [{**cell, "accuracy": {"SOLO": 0.8}}]})
+    assert "a row 'SOLO' another cell fills" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 0.8, "SOLO": 0.1}}]})
     (tmp_path / "bad.json").write_text(json.dumps({**earlier, "cells": [cell, {**cell, "accuracy": {"CHFL": 0.5}}]}))
     two = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "third"), "--report-only", *smoke,
                           "--merge", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -309,4 +312,4 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     assert moved.returncode == 0 and "is not carried" in moved.stdout and "method.name: 'fedavg' there" in moved.stdout, moved.stderr
     # options that need a table, without one, are a usage error (they were ignored)
     bare = subprocess.run([sys.executable, script, "--report-only", *merge], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert bare.returncode == 2 and "need(s) a TABLE" in bare.stderr
+    assert bare.returncode == 2 and "--merge, --report-only need a TABLE" in bare.stderr
