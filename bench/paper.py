@@ -288,7 +288,7 @@ def ran_otherwise(cell: Cell, out: Path, device: str, overrides: list[str]) -> s
     """How the config a cell's run directory holds differs from the one asked for now (None: the
     same, or nothing run yet). The compute device is not compared: a table may be filled on a CPU
     and a GPU. A cell run with another --set (a smoke run) must not stand in for the table's cell."""
-    from edgefl.config import load_config, validate_config
+    from edgefl.config import load_config
 
     saved = out / cell.key / "config.toml"
     if not saved.is_file():
@@ -297,6 +297,14 @@ def ran_otherwise(cell: Cell, out: Path, device: str, overrides: list[str]) -> s
         had = load_config(saved).to_dict()
     except EdgeflError as exc:
         return f"its config.toml cannot be read ({exc.message[:120]})"
+    return differs_from_asked(had, cell, device, overrides)
+
+
+def differs_from_asked(had: dict[str, Any], cell: Cell, device: str, overrides: list[str]) -> str | None:
+    """How a config a cell ran with (its run directory's, or one a table.json recorded) differs from
+    the one asked for now, the compute device aside; None when it does not."""
+    from edgefl.config import validate_config
+
     want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
     differ = [f"{key}: {a!r} there, {b!r} asked" for key, a, b in _differences(had, want) if key != "device"]
     return "; ".join(differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "") if differ else None
@@ -465,8 +473,6 @@ def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, 
     """Entry ``i`` of a --merge file, checked: the cell's record with ``from`` set; None for a cell of
     a seed not asked for. Refused (:class:`MergeRefused`): a malformed entry, another config than
     this command's, and a second, different result for a cell an earlier --merge file gave."""
-    from edgefl.config import validate_config
-
     key = raw.get("cell") if isinstance(raw, dict) else None
     if not isinstance(key, str):
         raise MergeRefused(f"{path}: cells[{i}] names no cell (each entry is a table with a \"cell\" key)")
@@ -483,13 +489,10 @@ def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, 
                  f"{first['accuracy']} in {first['from']}, {entry['accuracy']} in {path}")
         raise MergeRefused(f"{key} has two results, {where}", hint="keep one of the two (remove the cell from the other file, or the "
                                                                     "other entry from the file)")
-    if entry["config"] is not None:
-        want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
-        differ = [f"{k}: {a!r} there, {b!r} asked" for k, a, b in _differences(entry["config"], want) if k != "device"]
-        if differ:
-            raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: " + "; ".join(differ[:3])
-                               + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""),
-                               hint="the table's setting changed since (see its commit), or its cells ran with another --set")
+    why = differs_from_asked(entry["config"], cell, device, overrides) if entry["config"] is not None else None
+    if why:
+        raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: {why}",
+                           hint="the table's setting changed since (see its commit), or its cells ran with another --set")
     return {**entry, "from": printable(raw["from"], 300) if own else str(path)}
 
 
@@ -700,29 +703,26 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
             shadowed.append(f"{cell.key} ({merged[cell.key]['from']}" + ("" if here == there else f": {there} there, {here} here") + ")")
         if (not s or s.get("interrupted")) and cell.key in merged:  # finished in another sitting
             entry = merged[cell.key]
-            for row, value in entry["accuracy"].items():
-                if value is not None:
-                    got.setdefault((row, cell.column), []).append(100 * value)
-            done.append(entry)
-            continue
-        if why:  # (--report-only without the --set the cell ran with): not this table's cell
+        elif why:  # (--report-only without the --set the cell ran with): not this table's cell
             otherwise[cell.key] = why
             continue
-        if not s or s.get("interrupted"):
+        elif not s or s.get("interrupted"):
             if s:  # stopped part-way: said as such, not as a cell never started
                 partial.setdefault((cell.row, cell.column), []).append(
                     {"cell": cell.key, "rounds_played": s.get("rounds_played"), "rounds": s.get("rounds")})
             else:
                 missing.append(cell.key)
             continue
-        values = {cell.row: _accuracy(s, cell.metric), **(cell.extra(s) if cell.extra else {})}
-        for row, value in values.items():
-            if value is not None:
-                got.setdefault((row, cell.column), []).append(100 * value)
-        done.append({"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
+        else:
+            values = {cell.row: _accuracy(s, cell.metric), **(cell.extra(s) if cell.extra else {})}
+            entry = {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
                      "accuracy": values, "run": str(out / cell.key), "compute_device": s.get("compute_device"),
                      "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine"), "commit": s.get("edgefl_commit"),
-                     "config": _run_config(out / cell.key)})
+                     "config": _run_config(out / cell.key)}
+        for row, value in entry["accuracy"].items():
+            if value is not None:
+                got.setdefault((row, cell.column), []).append(100 * value)
+        done.append(entry)
     other_at = {(c.row, c.column) for c in cells if c.key in otherwise}
     rows = list(dict.fromkeys([c.row for c in cells] + [r for r, _ in got] + [r for r, _ in table.paper]))
     print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; the paper's numbers: {table.paper_source}")
