@@ -88,6 +88,9 @@ class Cell:
     metric: str = "final"  # "final": the last evaluation; "best": the best over the run (the paper's habit for CHFL)
     extra: Callable[[dict[str, Any]], dict[str, float]] | None = None  # more rows from the same run (FedMHO's FedAvg reference)
     extra_rows: tuple[str, ...] = ()  # the rows ``extra`` may fill
+    #: cells of one group train the same clients (FedMHO, -MD and -SD at one alpha and seed): the first
+    #: to run keeps them (simulation.keep_clients), the others fuse them again (simulation.clients_from)
+    clients_group: str | None = None
 
 
 @dataclass
@@ -204,7 +207,9 @@ def _fedmho(scale: str, seed: int) -> list[Cell]:
             }
             cells.append(Cell(f"{method}-a{alpha}-s{seed}", row, f"Dir {alpha}", seed, raw,
                               extra=_fedavg_reference if method == "fedmho" else None,
-                              extra_rows=("FedAvg",) if method == "fedmho" else ()))
+                              extra_rows=("FedAvg",) if method == "fedmho" else (),
+                              # FEDCVAE's clients are all CVAEs: its own
+                              clients_group=None if method == "fedcvae" else f"fedmho-a{alpha}-s{seed}"))
     return cells
 
 
@@ -300,13 +305,18 @@ def ran_otherwise(cell: Cell, out: Path, device: str, overrides: list[str]) -> s
     return differs_from_asked(had, cell, device, overrides)
 
 
+#: what a cell's config may differ in and still be the table's cell: the compute device, and whether its
+#: clients were kept or taken from a sibling's (the same numbers either way: tests/test_kept_clients.py)
+NOT_COMPARED = ("device", "simulation.keep_clients", "simulation.clients_from")
+
+
 def differs_from_asked(had: dict[str, Any], cell: Cell, device: str, overrides: list[str]) -> str | None:
     """How a config a cell ran with (its run directory's, or one a table.json recorded) differs from
     the one asked for now, the compute device aside; None when it does not."""
     from edgefl.config import validate_config
 
     want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
-    differ = [f"{key}: {a!r} there, {b!r} asked" for key, a, b in _differences(had, want) if key != "device"]
+    differ = [f"{key}: {a!r} there, {b!r} asked" for key, a, b in _differences(had, want) if key not in NOT_COMPARED]
     return "; ".join(differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "") if differ else None
 
 
@@ -503,7 +513,30 @@ def _simulate_command(config: dict[str, Any], cfg_path: Path, run: Path) -> list
     return [sys.executable, "-m", "edgefl", "simulate", str(cfg_path), "--out", str(run)]
 
 
-def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> tuple[int, bool]:
+def _kept_by(out: Path, keys: list[str]) -> Path | None:
+    """The first finished run among ``keys`` in ``out`` that kept its clients."""
+    return next((out / k for k in keys if _finished(out / k) and (out / k / "clients" / "clients.json").is_file()), None)
+
+
+def _with_clients(cell: Cell, config: dict[str, Any], out: Path, resumed: Path | None, siblings: list[str]) -> dict[str, Any]:
+    """A cell of a clients group fuses the clients a sibling kept, or trains and keeps them itself.
+    A resumed cell goes on as it started (a resume refuses a changed config)."""
+    sim = dict(config.get("simulation") or {})
+    started = _run_config(resumed) if resumed is not None else None
+    if started is not None:
+        held = started.get("simulation") or {}
+        sim.update({k: held[k] for k in ("keep_clients", "clients_from") if k in held})
+    else:
+        source = _kept_by(out, [k for k in siblings if k != cell.key])
+        if source is not None:
+            sim["clients_from"] = str(source.resolve())
+            print(f"{cell.key}: fusing the clients {source.name} trained and kept (simulation.clients_from)", flush=True)
+        else:
+            sim["keep_clients"] = True
+    return {**config, "simulation": sim}
+
+
+def run_cell(cell: Cell, out: Path, device: str, overrides: list[str], sibling_keys: list[str] | None = None) -> tuple[int, bool]:
     """``edgefl simulate`` for one cell: skipped when finished, resumed when a checkpoint is there.
     (its exit status, whether a stop was asked for while it ran)"""
     run = out / cell.key
@@ -511,8 +544,11 @@ def run_cell(cell: Cell, out: Path, device: str, overrides: list[str]) -> tuple[
     if _finished(run):
         print(f"{cell.key}: finished earlier ({run})", flush=True)
         return 0, False
+    resuming = (run / "server-state.safetensors").is_file()
+    if cell.clients_group is not None:
+        config = _with_clients(cell, config, out, run if resuming else None, sibling_keys or [])
     cmd = _simulate_command(config, out / "configs" / f"{cell.key}.toml", run)
-    if (run / "server-state.safetensors").is_file():
+    if resuming:
         cmd.append("--resume")
         print(f"{cell.key}: resuming its checkpoint in {run}", flush=True)
     elif run.exists():
@@ -676,6 +712,15 @@ def _run_config(run: Path) -> dict[str, Any] | None:
         return None
 
 
+def _clients_source(run: Path) -> dict[str, Any]:
+    """Where a cell's clients were trained, when it fused clients another run kept (run.json)."""
+    try:
+        source = json.loads((run / "run.json").read_text())["simulation"]["clients_from"]
+        return {"clients_from": {"run": Path(source["path"]).parent.name, "commit": source.get("edgefl_commit")}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def _commit() -> str:
     """The checkout's commit, with "-dirty" when tracked files differ from it (the numbers came from that code)."""
     return source_commit() or "unknown"
@@ -718,7 +763,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
             entry = {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
                      "accuracy": values, "run": str(out / cell.key), "compute_device": s.get("compute_device"),
                      "wall_time_s": s.get("wall_time_s"), "machine": s.get("machine"), "commit": s.get("edgefl_commit"),
-                     "config": _run_config(out / cell.key)}
+                     "config": _run_config(out / cell.key), **_clients_source(out / cell.key)}
         for row, value in entry["accuracy"].items():
             if value is not None:
                 got.setdefault((row, cell.column), []).append(100 * value)
@@ -997,7 +1042,8 @@ def main() -> None:
             if cell.key in merged and not _finished(out / cell.key):
                 print(f"{cell.key}: finished in another sitting ({merged[cell.key]['from']})", flush=True)
                 continue
-            code, stopped = run_cell(cell, out, args.device, args.overrides)
+            siblings = [c.key for c in every_cell if cell.clients_group and c.clients_group == cell.clients_group]
+            code, stopped = run_cell(cell, out, args.device, args.overrides, siblings)
             if stopped or code == 130:
                 print(_stopped_line(cell, out, code), flush=True)
                 report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, merged=merged)

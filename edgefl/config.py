@@ -436,6 +436,15 @@ class SimulationSettings(Strict):
                                              "with the work and messages under way) and when the run is stopped, so "
                                              "`edgefl simulate --resume --out RUN_DIR` goes on with the numbers an uninterrupted run "
                                              "gives; 0: never (runs with every device in this process)")
+    keep_clients: bool = Field(
+        False, description="one-shot methods: save each device's upload and trained state into RUN_DIR/clients, so that other "
+                           "server halves (FedMHO, -MD, -SD) can fuse the same clients without training them again "
+                           "(simulation.clients_from); a classifier client's files are about twice its weights")
+    clients_from: str | None = Field(
+        None, max_length=4096,
+        description="one-shot methods: take every device's upload and trained state from a run that kept them "
+                    "(its run directory) instead of training; refused unless its seed, rounds, data, train, fleet and the "
+                    "method's client half are this run's (docs/simulation.md, \"Fusing the same clients again\")")
     baseline: Literal["none", "local"] = Field(
         "none", description='"local": after the run, train the Local-only baseline (method local: the same devices, data, seed and '
                             "training, nothing shared) into RUN_DIR/baseline and put it beside the method in the tables, "
@@ -597,6 +606,19 @@ class RunConfig(Strict):
                              "columns are its feature space: drop view")
         if self.data.device_held and self.data.samples_per_client is not None:
             raise ValueError('data.samples_per_client caps a simulated share; with partition = "devices" devices use all they hold: drop it')
+        return self
+
+    @model_validator(mode="after")
+    def _kept_clients_fit(self) -> RunConfig:
+        sim = self.simulation
+        if not (sim.keep_clients or sim.clients_from):
+            return self
+        key = "keep_clients" if sim.keep_clients else "clients_from"
+        if not get_method(self.method.name).one_shot:
+            raise ValueError(f"simulation.{key} is for one-shot methods (fedmho, fedmho-md, fedmho-sd, fedcvae), whose clients "
+                             f"train once whatever the server does; {self.method.name} trains every round on what the server sent")
+        if sim.worker_count(10**6) > 1 or sim.backend != "local":
+            raise ValueError(f"simulation.{key} needs every device in this process (simulation.workers = 1, backend = \"local\")")
         return self
 
     @model_validator(mode="after")

@@ -118,6 +118,12 @@ class DeviceLoop:
         #: set by a simulation that trains several devices' downloads together: called with a
         #: download; True means it took it and will call :meth:`complete` with the trained upload
         self.fit_later: Callable[[DeviceLoop, Envelope], bool] | None = None
+        #: set by a simulation that fuses clients trained in an earlier run (simulation.clients_from):
+        #: round -> (the client half's upload, its state after training), used instead of training
+        self.replay: dict[int, tuple[Message, dict[str, torch.Tensor]]] | None = None
+        #: set by a simulation that keeps its clients (simulation.keep_clients): round -> the client
+        #: half's upload, before the upload filters
+        self.kept: dict[int, Message] | None = None
         #: the server's public key: unsigned, misaddressed or wrongly signed server messages are refused
         self.verifier = verifier
         self._seen_signed: OrderedDict[str, None] = OrderedDict()  # ids of signed server messages (replays refused)
@@ -292,7 +298,7 @@ class DeviceLoop:
             return
         downlink = self.downlink(env)  # refused here (PayloadError) before it is marked handled: a good copy may follow
         self.handled.add(env.message_id)
-        if self.fit_later is not None and self.fit_later(self, env):
+        if self.fit_later is not None and self.replay is None and self.fit_later(self, env):
             return  # the simulation trains this download with others, then calls complete()
         if self._defer_training:
             self._hold(env, downlink)
@@ -326,6 +332,10 @@ class DeviceLoop:
         model never leaves this call non-finite: a training that ends so (or fails) is undone and
         the download refused."""
         downlink = self.downlink(env) if downlink is None else downlink
+        if self.replay is not None and env.round in self.replay:  # trained in an earlier run: its upload and model
+            message, trained = self.replay[env.round]
+            self.client.load_carry_state(trained)
+            return message
         before = self.client.carry_state()
         try:
             with GLOBAL_RNG_LOCK:  # a round's dropout masks come from the global RNG, seeded as the training starts
@@ -345,6 +355,8 @@ class DeviceLoop:
     def complete(self, env: Envelope, message: Message) -> None:
         """Answer a download with what training it made: keep the upload, save, send."""
         r = env.round
+        if self.kept is not None:
+            self.kept[r] = message
         upload = self.served[r] = self.package(env, message)
         for old in [k for k in self.served if k < r - 1]:
             del self.served[old]

@@ -313,3 +313,29 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     # options that need a table, without one, are a usage error (they were ignored)
     bare = subprocess.run([sys.executable, script, "--report-only", *merge], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bare.returncode == 2 and "--merge, --report-only need a TABLE" in bare.stderr
+
+
+def test_fedmho_cells_of_one_alpha_and_seed_train_their_clients_once(tmp_path):
+    """The first FedMHO/-MD/-SD cell to run keeps its clients, the others fuse them (simulation.clients_from),
+    a resumed cell goes on as it started, and neither key makes a cell another config than the table's."""
+    paper = _paper()
+    cells = {c.key: c for c in paper.TABLES["fedmho"].cells("cpu", 0)}
+    md, sd, cvae = cells["fedmho-md-a0.5-s0"], cells["fedmho-sd-a0.5-s0"], cells["fedcvae-a0.5-s0"]
+    siblings = [k for k, c in cells.items() if c.clients_group == md.clients_group]
+    assert siblings == ["fedmho-a0.5-s0", "fedmho-md-a0.5-s0", "fedmho-sd-a0.5-s0"] and cvae.clients_group is None
+    asked = paper._asked(md, "auto", [])
+    first = paper._with_clients(md, asked, tmp_path, None, siblings)
+    assert first["simulation"] == {"keep_clients": True}  # nobody kept them yet: this cell trains and keeps
+    source = tmp_path / "fedmho-a0.5-s0"
+    (source / "clients").mkdir(parents=True)
+    (source / "clients" / "clients.json").write_text("{}")
+    (source / "summary.json").write_text(json.dumps({"rounds_played": 1, "rounds": 1}))
+    then = paper._with_clients(sd, paper._asked(sd, "auto", []), tmp_path, None, siblings)
+    assert then["simulation"] == {"clients_from": str(source.resolve())}
+    # a cell stopped while it trained its own clients resumes so, though a sibling has kept some since
+    started = tmp_path / "fedmho-md-a0.5-s0"
+    started.mkdir()
+    (started / "config.toml").write_text(__import__("tomli_w").dumps(validate_config(first, "md").to_dict()))
+    assert paper._with_clients(md, asked, tmp_path, started, siblings)["simulation"]["keep_clients"] is True
+    had = validate_config(then, "sd").to_dict()
+    assert paper.differs_from_asked(had, sd, "auto", []) is None

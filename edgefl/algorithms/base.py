@@ -35,6 +35,9 @@ class MethodOptions(BaseModel):
     """Base of every method's options (unknown keys are errors)."""
 
     model_config = ConfigDict(extra="forbid")
+    #: the options the method's client half reads (None: not declared, so all of them may shape
+    #: what its clients train); kept clients (edgefl.sim.kept_clients) are compared on these alone
+    client_reads: ClassVar[frozenset[str] | None] = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ Both methods are one-shot: a run has exactly one round.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -35,6 +35,7 @@ DEFAULT_GLOBAL_TRAINING = GLOBAL_TRAINING["fashion-mnist"]
 
 
 class _ServerFusionOptions(MethodOptions):
+    client_reads: ClassVar[frozenset[str] | None] = frozenset()  # every option is the server's: the clients train alike
     synthetic_samples: int = Field(6000, ge=1, description="N: synthetic samples generated in total (N / C per class)")
     global_epochs: int | None = Field(None, ge=0, description=(
         "server training epochs (default per dataset: MNIST 10, "

@@ -29,6 +29,7 @@ from edgefl.config import RunConfig
 from edgefl.data import Dataset
 from edgefl.errors import ConfigError, EdgeflError
 from edgefl.device import DeviceLoop, WorkDone
+from edgefl.environment import machine, source_commit
 from edgefl.heartbeat import Heartbeat
 from edgefl.report import human_bytes, lr_note, stage_notes
 from edgefl.rundir import RunDir
@@ -39,6 +40,7 @@ from edgefl.server.session import DEVICES_FILE, RunSession, config_changes, safe
 from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
+from edgefl.sim.kept_clients import kept_dir, load_kept, save_kept
 from edgefl.sim.network import InMemoryNetwork
 
 log = logging.getLogger("edgefl.sim")
@@ -103,6 +105,11 @@ class Simulation:
         self._events: Callable[[str, dict[str, Any]], None] = lambda kind, info: None
         facts = {"simulation": {"batch_clients": batch, "backend": cfg.simulation.backend, "hosts": len(self.hosts),
                                 "threads": self.threads}}
+        if cfg.simulation.clients_from:
+            facts["simulation"]["clients_from"] = self._replay_kept(cfg.simulation.clients_from)
+        if cfg.simulation.keep_clients:
+            for loop in self.network.loops.values():
+                loop.kept = {}
         self.session = RunSession(self.parts, self.network, federation, runner="simulation", run_dir=run_dir,
                                   deadline_s=cfg.clock.deadline_s, on_event=lambda kind, info: self._events(kind, info), start_facts=facts,
                                   clock=self.network.run_clock())
@@ -117,6 +124,35 @@ class Simulation:
         self._joined = False
         self._first_round = 1  # a resumed run goes on from its checkpoint (resume())
         self._resumed = False
+
+    # --- clients kept for another fusion (simulation.keep_clients / clients_from) ------------------------
+    def _replay_kept(self, source: str) -> dict[str, Any]:
+        """Every device answers round 1 with the upload and trained state an earlier run kept."""
+        kept, facts = load_kept(source, self.cfg.to_dict(), sorted(self.network.loops), self.cfg.network.max_message_bytes)
+        for device, loop in self.network.loops.items():
+            message, state = kept[device]
+            loop.replay = {message.round: (message, state)}
+        log.info("the clients' training is taken from %s (kept by a %s run)", kept_dir(source), facts.get("method"))
+        if facts.get("threads") not in (None, self.threads):  # a kernel's sums depend on its threads
+            log.warning("the kept clients trained with %s threads, this run's with %d: its numbers are those of a run with %s",
+                        facts["threads"], self.threads, facts["threads"])
+        return {"path": str(kept_dir(source).resolve()), **facts}
+
+    def _save_kept(self) -> None:
+        """After the round: each device's upload and trained state into RUN_DIR/clients."""
+        assert self.run_dir is not None
+        loops = self.network.loops
+        missing = sorted(d for d, loop in loops.items() if not loop.kept)
+        if missing:
+            log.warning("the clients are not kept (simulation.keep_clients): %d device(s) did not train (%s)",
+                        len(missing), ", ".join(missing[:5]))
+            return
+        uploads = {d: loop.kept[max(loop.kept)] for d, loop in loops.items()}  # type: ignore[index]
+        states = {d: self.clients[d].carry_state() for d in loops}
+        facts = {"edgefl_commit": source_commit(), "machine": machine(), "threads": self.threads,
+                 "compute_device": str(self.compute_device)}
+        folder = save_kept(self.run_dir.path, self.cfg.to_dict(), uploads, states, facts)
+        log.info("kept the clients' uploads and trained states in %s (simulation.clients_from)", folder)
 
     # --- checkpoints --------------------------------------------------------------------------------
     def _save_devices(self, path: Path, round_no: int) -> None:
@@ -317,6 +353,8 @@ class Simulation:
         self.fetch_client_states()
         if self.run_dir and not self.server.global_models():
             self._save_client_models()
+        if self.run_dir and self.cfg.simulation.keep_clients:
+            self._save_kept()
         self.close()
         return summary
 

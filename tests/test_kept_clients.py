@@ -1,0 +1,140 @@
+"""A one-shot run's clients kept (simulation.keep_clients) and fused again by another server half
+(simulation.clients_from): the same numbers as training them, no training, and every way a kept
+folder can be wrong refused with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from edgefl.algorithms.fedmho import FedMHOClient
+from edgefl.config import RunConfig
+from edgefl.errors import ConfigError
+from edgefl.rundir import RunDir
+from edgefl.sim import Simulation
+from edgefl.sim.kept_clients import CLIENTS_DIR, MANIFEST
+from tests.test_fedmho import fedmho_config
+
+
+def _run(raw: dict, tmp_path, name: str, sims: list | None = None) -> tuple[dict, RunDir]:
+    raw["threads"] = 1  # a kernel's sums depend on its threads: the runs compared train alike
+    run = RunDir.create(tmp_path / name, name, 0)
+    sim = Simulation(RunConfig.model_validate(raw), run, show_progress=False)
+    if sims is not None:
+        sims.append(sim)
+    return sim.run(), run
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    """A FedMHO run that kept its clients."""
+    tmp = tmp_path_factory.mktemp("kept")
+    raw = fedmho_config("fedmho")
+    raw["simulation"] = {"keep_clients": True}
+    summary, run = _run(raw, tmp, "source")
+    return summary, run.path
+
+
+def test_fused_again_from_kept_clients_gives_the_numbers_training_gives_and_trains_nothing(kept, tmp_path, monkeypatch):
+    _, source = kept
+    sims: list = []
+    trained, _ = _run(fedmho_config("fedmho-md"), tmp_path, "trained", sims)
+    raw = fedmho_config("fedmho-md")
+    raw["simulation"] = {"clients_from": str(source)}
+    calls = []
+    real = FedMHOClient.fit
+    monkeypatch.setattr(FedMHOClient, "fit", lambda self, *a, **k: calls.append(self.client_id) or real(self, *a, **k))
+    replayed, run = _run(raw, tmp_path, "replayed", sims)
+    assert calls == []  # no client trained
+    for cid, client in sims[1].clients.items():  # each device holds the weights it trained (CVAE encoders too)
+        want = sims[0].clients[cid].model.state_dict()
+        assert [k for k, t in client.model.state_dict().items() if not torch.equal(t, want[k])] == [], cid
+    assert replayed["final_accuracy"] == trained["final_accuracy"]  # the global model, per client (judged VGGs) and FedAvg
+    facts = json.loads((run.path / "run.json").read_text())["simulation"]["clients_from"]
+    assert facts["method"] == "fedmho" and facts["path"] == str((source / CLIENTS_DIR).resolve())
+    assert facts["edgefl_commit"] == json.loads((source / "run.json").read_text())["edgefl_commit"]
+
+
+def test_the_kept_folder_holds_a_message_and_a_state_per_device_and_a_manifest(kept):
+    _, source = kept
+    manifest = json.loads((source / CLIENTS_DIR / MANIFEST).read_text())
+    assert manifest["method"] == "fedmho" and len(manifest["devices"]) == 4
+    assert manifest["client_config"]["method_options"] == {}  # FedMHO's options are all the server's
+    for entry in manifest["devices"].values():
+        assert (source / CLIENTS_DIR / f"{entry['file']}.msg").stat().st_size == entry["message_bytes"]
+
+
+def test_clients_trained_on_another_config_are_refused_naming_what_differs(kept):
+    _, source = kept
+    raw = fedmho_config("fedmho-sd")
+    raw["train"]["lr"] = 0.01
+    raw["seed"] = 3
+    raw["simulation"] = {"clients_from": str(source)}
+    with pytest.raises(ConfigError, match=r"another config \(seed, train.lr differ\)") as err:
+        Simulation(RunConfig.model_validate(raw), show_progress=False)
+    assert "keep_clients" in err.value.hint
+
+
+def test_server_options_may_differ_but_not_the_client_half(kept, tmp_path):
+    _, source = kept
+    raw = fedmho_config("fedmho-sd", lam=0.9, synthetic_samples=200, global_epochs=1)
+    raw["simulation"] = {"clients_from": str(source)}
+    Simulation(RunConfig.model_validate(raw), show_progress=False)  # accepted: the server's options alone differ
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("no-manifest", "kept no clients"),
+    ("message-changed", "SHA-256 differs"),
+    ("message-truncated", "the manifest says"),
+    ("manifest-garbage", "cannot be read"),
+    ("manifest-hostile", "malformed entry"),
+    ("state-missing", "cannot be read"),
+])
+def test_a_damaged_or_hostile_kept_folder_is_refused_with_the_reason(kept, tmp_path, damage, said):
+    import shutil
+
+    _, source = kept
+    copy = tmp_path / "copy"
+    shutil.copytree(source / CLIENTS_DIR, copy / CLIENTS_DIR)
+    folder = copy / CLIENTS_DIR
+    manifest = json.loads((folder / MANIFEST).read_text())
+    first = manifest["devices"][sorted(manifest["devices"])[0]]["file"]
+    if damage == "no-manifest":
+        (folder / MANIFEST).unlink()
+    elif damage == "message-changed":
+        data = bytearray((folder / f"{first}.msg").read_bytes())
+        data[-1] ^= 0xFF
+        (folder / f"{first}.msg").write_bytes(bytes(data))
+    elif damage == "message-truncated":
+        (folder / f"{first}.msg").write_bytes((folder / f"{first}.msg").read_bytes()[:-8])
+    elif damage == "manifest-garbage":
+        (folder / MANIFEST).write_bytes(b"\xff\xfe{not json")
+    elif damage == "manifest-hostile":
+        manifest["devices"][sorted(manifest["devices"])[0]]["file"] = "../../etc/passwd"
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+    elif damage == "state-missing":
+        (folder / f"{first}.state.safetensors").unlink()
+    raw = fedmho_config("fedmho-md")
+    raw["simulation"] = {"clients_from": str(copy)}
+    with pytest.raises(ConfigError, match=said):
+        Simulation(RunConfig.model_validate(raw), show_progress=False)
+
+
+def test_a_missing_folder_is_refused_and_only_one_shot_methods_keep_clients(tmp_path):
+    raw = fedmho_config("fedmho-md")
+    raw["simulation"] = {"clients_from": str(tmp_path / "nowhere")}
+    with pytest.raises(ConfigError, match="no such folder"):
+        Simulation(RunConfig.model_validate(raw), show_progress=False)
+    from tests.conftest import digits_config
+
+    for key, value in (("keep_clients", True), ("clients_from", str(tmp_path))):
+        other = digits_config("fedavg", rounds=2)
+        other["simulation"] = {key: value}
+        with pytest.raises(ValueError, match="one-shot methods"):
+            RunConfig.model_validate(other)
+        one_shot = fedmho_config("fedmho")
+        one_shot["simulation"] = {key: value, "workers": 2}
+        with pytest.raises(ValueError, match="every device in this process"):
+            RunConfig.model_validate(one_shot)
