@@ -16,6 +16,10 @@ several machines:
   run gives (``edgefl simulate --resume``); CHFL's cells, seconds long, keep no checkpoint and run again;
 * a finished cell that ran with another config (another ``--set``) is refused, not counted: a smoke
   run's cells belong in a folder of their own;
+* the FedMHO, -MD and -SD cells of one alpha and seed train the same clients: the first of them
+  to run trains and keeps them (``simulation.keep_clients``), the others fuse them again
+  (``simulation.clients_from``; docs/simulation.md), with the numbers training them would give
+  on the same machine, threads and device;
 * copy OUT to another machine with the same data and the same command goes on there;
 * or keep only the small ``table.json`` of a sitting (a GPU's, or an earlier session's whose run
   directories are gone) and pass it with ``--merge FILE``: its finished cells count in the report
@@ -259,8 +263,9 @@ TABLES: dict[str, Table] = {
                                             "FedMHO": (75.30, 72.36, 62.14), "FedMHO-MD": (77.27, 75.69, 71.04),
                                             "FedMHO-SD": (77.73, 76.45, 69.65)}.items() for a, v in zip((0.5, 0.3, 0.1), vals)},
         "paper Table IV, Fashion-MNIST", _fedmho, ["Dir 0.5", "Dir 0.3", "Dir 0.1"],
-        {"cpu": "26-41 min a cell (Dir 0.1: FedMHO-MD 26, FedMHO 41 with other work beside it), 12 cells a seed, on a 2-core CPU",
-         "paper": "not measured (no round in a 45 s probe on an H200), 12 cells a seed"}),
+        {"cpu": "26-41 min a cell that trains its clients (Dir 0.1: FedMHO-MD 26, FedMHO 41 with other work beside it), "
+                "a few minutes one that fuses a sibling's kept clients; 6 of a seed's 12 cells train, on a 2-core CPU",
+         "paper": "not measured (no round in a 45 s probe on an H200); 6 of a seed's 12 cells train their clients"}),
     "chfl": Table(
         "CHFL (paper 004) Table 1, BCD: 8 devices, each its own 30 % of the features and its own random MLP",
         "breast cancer (scikit-learn's copy of BCD), best accuracy over 60 epochs as the paper reports it",

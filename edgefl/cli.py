@@ -454,6 +454,9 @@ def fleet(
     from edgefl.sim.engine import check_simulable
 
     check_simulable(cfg, "a local fleet started from one config")
+    from edgefl.sim.kept_clients import refuse_outside_simulation
+
+    refuse_outside_simulation(cfg, "edgefl fleet")
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
     run = RunDir.create(out_dir, cfg.name, cfg.seed, overwrite=overwrite)
@@ -532,6 +535,9 @@ def server(
 
     _reachable_broker(broker, "server")
     cfg = load_config(config, _cli_overrides(set_, data_dir, track), "demo")
+    from edgefl.sim.kept_clients import refuse_outside_simulation
+
+    refuse_outside_simulation(cfg, "edgefl server")
     parts = build_run(cfg)  # config, data and models checked before anything is written
     _say_data(parts)
     if resume:

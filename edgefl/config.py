@@ -441,7 +441,7 @@ class SimulationSettings(Strict):
                            "server halves (FedMHO, -MD, -SD) can fuse the same clients without training them again "
                            "(simulation.clients_from); a classifier client's files are about twice its weights")
     clients_from: str | None = Field(
-        None, max_length=4096,
+        None,
         description="one-shot methods: take every device's upload and trained state from a run that kept them "
                     "(its run directory) instead of training; refused unless its seed, rounds, data, train, fleet and the "
                     "method's client half are this run's (docs/simulation.md, \"Fusing the same clients again\")")
@@ -449,6 +449,16 @@ class SimulationSettings(Strict):
         "none", description='"local": after the run, train the Local-only baseline (method local: the same devices, data, seed and '
                             "training, nothing shared) into RUN_DIR/baseline and put it beside the method in the tables, "
                             "summary.json and plots (edgefl simulate only; it doubles the training time)")
+
+    @field_validator("clients_from")
+    @classmethod
+    def _a_folder(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip() or "\x00" in value or len(value) > 4096:
+            raise ValueError("clients_from names the run directory of a run that kept its clients (leave it out to train them)")
+        # absolute, so that the run's config.toml means the same folder from wherever it is resumed
+        return str(Path(value).expanduser().absolute())
 
     @field_validator("workers")
     @classmethod
@@ -617,6 +627,9 @@ class RunConfig(Strict):
         if not get_method(self.method.name).one_shot:
             raise ValueError(f"simulation.{key} is for one-shot methods (fedmho, fedmho-md, fedmho-sd, fedcvae), whose clients "
                              f"train once whatever the server does; {self.method.name} trains every round on what the server sent")
+        if sim.keep_clients and sim.clients_from:
+            raise ValueError("simulation.keep_clients with clients_from would keep a copy of clients kept already, under this "
+                             "run's name: fuse from the folder that trained them and drop keep_clients")
         if sim.worker_count(10**6) > 1 or sim.backend != "local":
             raise ValueError(f"simulation.{key} needs every device in this process (simulation.workers = 1, backend = \"local\")")
         return self

@@ -77,6 +77,15 @@ def test_clients_trained_on_another_config_are_refused_naming_what_differs(kept)
     assert "keep_clients" in err.value.hint
 
 
+def test_a_fleet_difference_names_the_group_and_key(kept):
+    _, source = kept
+    raw = fedmho_config("fedmho-md")
+    raw["fleet"]["groups"][1]["train"] = {"epochs": 3}
+    raw["simulation"] = {"clients_from": str(source)}
+    with pytest.raises(ConfigError, match=r"fleet.groups.1.train.epochs differs"):
+        Simulation(RunConfig.model_validate(raw), show_progress=False)
+
+
 def test_server_options_may_differ_but_not_the_client_half(kept, tmp_path):
     _, source = kept
     raw = fedmho_config("fedmho-sd", lam=0.9, synthetic_samples=200, global_epochs=1)
@@ -90,7 +99,13 @@ def test_server_options_may_differ_but_not_the_client_half(kept, tmp_path):
     ("message-truncated", "the manifest says"),
     ("manifest-garbage", "cannot be read"),
     ("manifest-hostile", "malformed entry"),
-    ("state-missing", "cannot be read"),
+    ("state-missing", "not a plain file"),
+    ("state-linked", "not a plain file"),
+    ("state-of-a-cvae", "state is of another model"),
+    ("state-of-another-device", "counts .* training samples"),
+    ("state-nonfinite", "non-finite|NaN|inf"),
+    ("round-2", "answers round 1"),
+    ("device-renamed", "none kept for: 'client-3'"),
 ])
 def test_a_damaged_or_hostile_kept_folder_is_refused_with_the_reason(kept, tmp_path, damage, said):
     import shutil
@@ -101,6 +116,20 @@ def test_a_damaged_or_hostile_kept_folder_is_refused_with_the_reason(kept, tmp_p
     folder = copy / CLIENTS_DIR
     manifest = json.loads((folder / MANIFEST).read_text())
     first = manifest["devices"][sorted(manifest["devices"])[0]]["file"]
+
+    def rehash(device: str, kind: str, data: bytes) -> None:  # an edit the manifest agrees with: only the content can tell
+        import hashlib
+
+        entry = manifest["devices"][device]
+        (folder / (f"{entry['file']}.msg" if kind == "message" else f"{entry['file']}.state.safetensors")).write_bytes(data)
+        entry[f"{kind}_bytes"], entry[f"{kind}_sha256"] = len(data), hashlib.sha256(data).hexdigest()
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+
+    def state_of(device: str) -> bytes:
+        return (folder / f"{manifest['devices'][device]['file']}.state.safetensors").read_bytes()
+
+    def message_of(device: str) -> bytes:
+        return (folder / f"{manifest['devices'][device]['file']}.msg").read_bytes()
     if damage == "no-manifest":
         (folder / MANIFEST).unlink()
     elif damage == "message-changed":
@@ -116,6 +145,36 @@ def test_a_damaged_or_hostile_kept_folder_is_refused_with_the_reason(kept, tmp_p
         (folder / MANIFEST).write_text(json.dumps(manifest))
     elif damage == "state-missing":
         (folder / f"{first}.state.safetensors").unlink()
+    elif damage == "state-linked":  # a link to a copy elsewhere, hashes and all
+        outside = tmp_path / "elsewhere.safetensors"
+        outside.write_bytes((folder / f"{first}.state.safetensors").read_bytes())
+        (folder / f"{first}.state.safetensors").unlink()
+        (folder / f"{first}.state.safetensors").symlink_to(outside)
+    elif damage == "state-of-a-cvae":  # client-2 trains a CVAE, client-0 an MLP
+        rehash("client-0", "state", state_of("client-2"))
+    elif damage == "state-of-another-device":  # client-1: the same MLP, other data
+        rehash("client-0", "state", state_of("client-1"))
+        from edgefl.messages import decode, encode
+
+        message = decode(message_of("client-1"))
+        message.sender = "client-0"
+        rehash("client-0", "message", encode(message))
+    elif damage == "state-nonfinite":
+        from safetensors.torch import load, save
+
+        state = load(state_of("client-0"))
+        next(t for t in state.values() if t.is_floating_point()).view(-1)[0] = float("nan")
+        rehash("client-0", "state", save(state))
+    elif damage == "round-2":
+        from edgefl.messages import decode, encode
+
+        message = decode(message_of("client-0"))
+        message.round = 2
+        manifest["devices"]["client-0"]["round"] = 2
+        rehash("client-0", "message", encode(message))
+    elif damage == "device-renamed":
+        manifest["devices"]["client-X"] = manifest["devices"].pop("client-3")
+        (folder / MANIFEST).write_text(json.dumps(manifest))
     raw = fedmho_config("fedmho-md")
     raw["simulation"] = {"clients_from": str(copy)}
     with pytest.raises(ConfigError, match=said):
@@ -138,3 +197,41 @@ def test_a_missing_folder_is_refused_and_only_one_shot_methods_keep_clients(tmp_
         one_shot["simulation"] = {key: value, "workers": 2}
         with pytest.raises(ValueError, match="every device in this process"):
             RunConfig.model_validate(one_shot)
+    both = fedmho_config("fedmho")
+    both["simulation"] = {"keep_clients": True, "clients_from": str(tmp_path)}
+    with pytest.raises(ValueError, match="copy of clients kept already"):
+        RunConfig.model_validate(both)
+    empty = fedmho_config("fedmho")
+    empty["simulation"] = {"clients_from": " "}
+    with pytest.raises(ValueError, match="names the run directory"):
+        RunConfig.model_validate(empty)
+    (tmp_path / "a-file").write_text("x")
+    relative = fedmho_config("fedmho-md")
+    relative["simulation"] = {"clients_from": "some/where"}
+    assert RunConfig.model_validate(relative).simulation.clients_from.startswith("/")  # config.toml means one folder wherever it is resumed
+    relative["simulation"] = {"clients_from": str(tmp_path / "a-file")}
+    with pytest.raises(ConfigError, match="a file, not a run directory"):
+        Simulation(RunConfig.model_validate(relative), show_progress=False)
+
+
+def test_a_fleet_refuses_both_keys(tmp_path):
+    from edgefl.sim.kept_clients import refuse_outside_simulation
+
+    raw = fedmho_config("fedmho-md")
+    raw["simulation"] = {"clients_from": str(tmp_path)}
+    with pytest.raises(ConfigError, match="is for edgefl simulate: in edgefl fleet"):
+        refuse_outside_simulation(RunConfig.model_validate(raw), "edgefl fleet")
+
+
+def test_the_console_says_the_clients_were_kept_and_that_none_trained(kept, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    _, source = kept
+    raw = fedmho_config("fedmho-sd")
+    raw["simulation"] = {"clients_from": str(source)}
+    raw["threads"] = 1
+    out = io.StringIO()
+    Simulation(RunConfig.model_validate(raw), None, console=Console(file=out, width=300), show_progress=False).run()
+    assert f"clients: no device trains; each answers with the upload and trained model kept in {source / CLIENTS_DIR}" in out.getvalue()

@@ -40,7 +40,7 @@ from edgefl.server.session import DEVICES_FILE, RunSession, config_changes, safe
 from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
-from edgefl.sim.kept_clients import kept_dir, load_kept, save_kept
+from edgefl.sim.kept_clients import fit_problem, kept_dir, load_kept, save_kept
 from edgefl.sim.network import InMemoryNetwork
 
 log = logging.getLogger("edgefl.sim")
@@ -128,15 +128,26 @@ class Simulation:
     # --- clients kept for another fusion (simulation.keep_clients / clients_from) ------------------------
     def _replay_kept(self, source: str) -> dict[str, Any]:
         """Every device answers round 1 with the upload and trained state an earlier run kept."""
-        kept, facts = load_kept(source, self.cfg.to_dict(), sorted(self.network.loops), self.cfg.network.max_message_bytes)
+        folder = kept_dir(source)
+        kept, facts = load_kept(folder, self.cfg.to_dict(), sorted(self.network.loops), self.cfg.network.max_message_bytes)
         for device, loop in self.network.loops.items():
             message, state = kept[device]
+            problem = fit_problem(message, state, self.clients[device].carry_state(), len(self.clients[device].setup.x))
+            if problem:
+                raise ConfigError(f"simulation.clients_from: {folder}: device {device!r}: {problem}",
+                                  hint="fuse from the folder of a run of this config (simulation.keep_clients = true)")
             loop.replay = {message.round: (message, state)}
-        log.info("the clients' training is taken from %s (kept by a %s run)", kept_dir(source), facts.get("method"))
-        if facts.get("threads") not in (None, self.threads):  # a kernel's sums depend on its threads
-            log.warning("the kept clients trained with %s threads, this run's with %d: its numbers are those of a run with %s",
-                        facts["threads"], self.threads, facts["threads"])
-        return {"path": str(kept_dir(source).resolve()), **facts}
+        self.console.print(f"clients: no device trains; each answers with the upload and trained model kept in {folder} "
+                           f"(by a {facts.get('method')} run at commit {facts.get('edgefl_commit')})", markup=False, highlight=False)
+        # a kernel's sums depend on its threads and device: the server's fusion here runs with this run's
+        mixed = [f"{what} {facts[key]} there, {here} here" for key, what, here in
+                 (("threads", "threads", self.threads), ("compute_device", "compute device", str(self.compute_device)))
+                 if facts.get(key) not in (None, here)]
+        if mixed:
+            log.warning("the kept clients trained with other settings than this run's server fuses with (%s): the numbers are "
+                        "those of neither run throughout; set threads (and device) as the keeping run had them to get its "
+                        "numbers", "; ".join(mixed))
+        return {"path": str(folder.resolve()), **facts}
 
     def _save_kept(self) -> None:
         """After the round: each device's upload and trained state into RUN_DIR/clients."""
@@ -152,7 +163,9 @@ class Simulation:
         facts = {"edgefl_commit": source_commit(), "machine": machine(), "threads": self.threads,
                  "compute_device": str(self.compute_device)}
         folder = save_kept(self.run_dir.path, self.cfg.to_dict(), uploads, states, facts)
-        log.info("kept the clients' uploads and trained states in %s (simulation.clients_from)", folder)
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        self.console.print(f"clients: kept the {len(uploads)} devices' uploads and trained models in {folder} ({human_bytes(size)}); "
+                           "another one-shot server fuses them with simulation.clients_from", markup=False, highlight=False)
 
     # --- checkpoints --------------------------------------------------------------------------------
     def _save_devices(self, path: Path, round_no: int) -> None:

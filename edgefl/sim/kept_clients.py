@@ -33,6 +33,7 @@ from edgefl.errors import ConfigError, PayloadError
 from edgefl.messages import Message, decode, encode
 from edgefl.methods import get_method
 from edgefl.safejson import loads
+from edgefl.tensorchecks import nonfinite_problem
 
 CLIENTS_DIR = "clients"
 MANIFEST = "clients.json"
@@ -43,11 +44,24 @@ MAX_DEVICES = 100_000
 CLIENT_KEYS = ("seed", "rounds", "data", "train", "fleet")
 
 _HINT = "keep the clients with a run of the same config (simulation.keep_clients = true), or drop simulation.clients_from"
+_CHANGED = ("the folder is not as its run kept it: run that run again with simulation.keep_clients = true, or fuse from an "
+            "intact copy (the manifest checks integrity, not who wrote it: keep the folder where only you write)")
+
+
+def refuse_outside_simulation(cfg: Any, runner: str) -> None:
+    """Both keys are the simulation's: a fleet's devices train in their own processes, from their own state."""
+    sim = cfg.simulation
+    if sim.keep_clients or sim.clients_from:
+        key = "keep_clients" if sim.keep_clients else "clients_from"
+        raise ConfigError(f"simulation.{key} is for edgefl simulate: in {runner} every device trains in its own process",
+                          hint=f"drop simulation.{key}, or run the config with edgefl simulate")
 
 
 def kept_dir(path: str | Path) -> Path:
     """The clients/ folder ``simulation.clients_from`` names: a run directory or the folder itself."""
     p = Path(path).expanduser()
+    if p.is_file():
+        raise _problem(p, f"a file, not a run directory (the folder of a run that kept its clients, or its {CLIENTS_DIR}/)")
     return p if (p / MANIFEST).is_file() or p.name == CLIENTS_DIR else p / CLIENTS_DIR
 
 
@@ -70,6 +84,8 @@ def differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for key in sorted(set(a) | set(b), key=str)
                 for d in differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):  # fleet.groups.1.count, not "fleet.groups"
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{prefix}.{i}")]
     return [] if a == b else [prefix or "(config)"]
 
 
@@ -104,8 +120,8 @@ def save_kept(run_path: Path, cfg_dict: dict[str, Any], uploads: dict[str, Messa
     return folder
 
 
-def _problem(where: Path, why: str) -> ConfigError:
-    return ConfigError(f"simulation.clients_from: {where}: {why}", hint=_HINT)
+def _problem(where: Path, why: str, hint: str = _HINT) -> ConfigError:
+    return ConfigError(f"simulation.clients_from: {where}: {why}", hint=hint)
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -118,7 +134,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         manifest = loads(path.read_bytes(), "kept clients' manifest")
     except (OSError, PayloadError) as exc:
-        raise _problem(path, f"cannot be read ({exc})") from None
+        raise _problem(path, f"cannot be read ({exc})", _CHANGED) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _problem(path, f"not a manifest of kept clients (format {FORMAT!r} expected)")
     devices = manifest.get("devices")
@@ -130,23 +146,26 @@ def read_manifest(folder: Path) -> dict[str, Any]:
                     for k in ("round", "message_bytes", "state_bytes")) \
             and all(isinstance(entry.get(k), str) and len(entry[k]) == 64 for k in ("message_sha256", "state_sha256"))
         if not ok:
-            raise _problem(path, f"device {str(device)[:60]!r}: malformed entry (file, round, sizes and SHA-256 digests expected)")
+            raise _problem(path, f"device {str(device)[:60]!r}: malformed entry (file, round, sizes and SHA-256 digests expected)",
+                           _CHANGED)
     if not isinstance(manifest.get("client_config"), dict):
         raise _problem(path, "it records no client_config")
     return manifest
 
 
-def _read_checked(path: Path, size: int, digest: str, limit: int) -> bytes:
+def _read_checked(path: Path, size: int, digest: str, limit: int, limit_name: str) -> bytes:
     if size > limit:
-        raise _problem(path, f"{size} bytes, over the {limit}-byte limit (network.max_message_bytes)")
+        raise _problem(path, f"the manifest gives it {size} bytes, over the {limit}-byte limit ({limit_name})", _CHANGED)
+    if path.is_symlink() or not path.is_file():  # what the manifest names lies in the folder itself
+        raise _problem(path, "missing, or not a plain file in the folder (a link or a folder)", _CHANGED)
     try:
         if path.stat().st_size != size:
-            raise _problem(path, f"{path.stat().st_size} bytes, the manifest says {size} (changed since it was kept)")
+            raise _problem(path, f"{path.stat().st_size} bytes, the manifest says {size} (changed since it was kept)", _CHANGED)
         data = path.read_bytes()
     except OSError as exc:
-        raise _problem(path, f"cannot be read ({exc.strerror or exc})") from None
+        raise _problem(path, f"cannot be read ({exc.strerror or exc})", _CHANGED) from None
     if _digest(data) != digest:
-        raise _problem(path, "its SHA-256 differs from the manifest's (changed since it was kept)")
+        raise _problem(path, "its SHA-256 differs from the manifest's (changed since it was kept)", _CHANGED)
     return data
 
 
@@ -163,24 +182,48 @@ def load_kept(path: str | Path, cfg_dict: dict[str, Any], devices: list[str], ma
         shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
         raise _problem(folder, f"its clients trained on another config ({shown} differ{'s' if len(differ) == 1 else ''})")
     if sorted(manifest["devices"]) != sorted(devices):
-        raise _problem(folder, f"it kept {len(manifest['devices'])} devices, not this run's {len(devices)}")
+        extra, lacking = sorted(set(manifest["devices"]) - set(devices)), sorted(set(devices) - set(manifest["devices"]))
+        said = "; ".join(part for part in (f"devices this run has not: {', '.join(map(repr, extra[:4]))}" if extra else "",
+                                           f"none kept for: {', '.join(map(repr, lacking[:4]))}" if lacking else "") if part)
+        raise _problem(folder, f"it kept other devices than this run's ({said})")
     out: dict[str, KeptFit] = {}
     for device in devices:
         entry = manifest["devices"][device]
         msg_path, state_path = folder / f"{entry['file']}.msg", folder / f"{entry['file']}.state.safetensors"
-        data = _read_checked(msg_path, entry["message_bytes"], entry["message_sha256"], max_bytes)
+        data = _read_checked(msg_path, entry["message_bytes"], entry["message_sha256"], max_bytes, "network.max_message_bytes")
         try:
             message = decode(data, max_bytes)
         except PayloadError as exc:
             raise _problem(msg_path, f"not a message ({exc})") from None
-        if message.sender != device or message.round != entry["round"]:
-            raise _problem(msg_path, f"a message of {message.sender!r}, round {message.round}: the manifest says {device!r}, "
-                                     f"round {entry['round']}")
-        raw = _read_checked(state_path, entry["state_bytes"], entry["state_sha256"], max_bytes * 4)
+        if message.sender != device:
+            raise _problem(msg_path, f"a message of {message.sender!r}: the manifest says it is {device!r}'s", _CHANGED)
+        if message.round != 1 or entry["round"] != 1:
+            raise _problem(msg_path, f"a message of round {message.round} (the manifest says {entry['round']}): a device "
+                                     "answers round 1 of a one-shot run", _CHANGED)
+        raw = _read_checked(state_path, entry["state_bytes"], entry["state_sha256"], max_bytes * 4,
+                            "four times network.max_message_bytes")
         try:
             state = st_load(raw)
         except (SafetensorError, ValueError) as exc:
-            raise _problem(state_path, f"not a safetensors state ({exc})") from None
+            raise _problem(state_path, f"not a safetensors state ({exc})", _CHANGED) from None
+        bad = nonfinite_problem(message.tensors, "its upload") or nonfinite_problem(state, "its trained state")
+        if bad:
+            raise _problem(folder, f"device {device!r}: {bad}", _CHANGED)
         out[device] = (message, state)
     facts = {k: manifest.get(k) for k in ("method", "edgefl_commit", "machine", "threads", "compute_device") if k in manifest}
     return out, facts
+
+
+def fit_problem(message: Message, state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], samples: int) -> str | None:
+    """Why a kept (upload, state) cannot be this device's: a state of another model (``own``: the
+    device's carry_state), or an upload that counts other samples than the device trains on."""
+    if set(state) != set(own):
+        odd = sorted(set(state) ^ set(own))
+        return f"its state is of another model ({len(odd)} tensor names differ, e.g. {odd[0][:60]!r})"
+    shaped = next((k for k in own if tuple(state[k].shape) != tuple(own[k].shape) or state[k].dtype != own[k].dtype), None)
+    if shaped is not None:
+        return f"its state is of another model ({shaped[:60]!r}: {tuple(state[shaped].shape)}, this device's {tuple(own[shaped].shape)})"
+    counted = message.meta.get("num_samples")
+    if counted is not None and counted != samples:
+        return f"its upload counts {counted} training samples, this device holds {samples} (another device's or seed's)"
+    return None
