@@ -37,7 +37,9 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     raw = cfg.to_dict()
     raw["name"] = f"{cfg.name}-{BASELINE_METHOD}"
     raw["method"] = {"name": BASELINE_METHOD}
-    raw["simulation"] = {**raw.get("simulation", {}), "baseline": "none"}
+    # its clients train every round (nothing one-shot to keep or take from another run)
+    sim = {k: v for k, v in raw.get("simulation", {}).items() if k not in ("keep_clients", "clients_from")}
+    raw["simulation"] = {**sim, "baseline": "none"}
     raw["export"], raw["track"] = [], []
     raw.pop("tracking_uri", None)
     return RunConfig.model_validate(raw)

@@ -640,6 +640,9 @@ def client(
     if data is not None and data_dir is None:
         data_dir = data  # --config with --data: the data set's folder, as before
     cfg = load_config(config, _cli_overrides(set_, data_dir), "demo")
+    from edgefl.sim.kept_clients import refuse_outside_simulation
+
+    refuse_outside_simulation(cfg, "edgefl client")
     if federation is not None and federation != federation_of(cfg):
         raise EdgeflError(f"--federation {federation} differs from the config's {federation_of(cfg)}", hint="drop --federation with --config")
     if keep_state and state_dir is None:
@@ -700,6 +703,9 @@ def loadgen(
     from edgefl.transport.topics import device_ids
 
     cfg = load_config(config, _cli_overrides(set_, data_dir), "demo")
+    from edgefl.sim.kept_clients import refuse_outside_simulation
+
+    refuse_outside_simulation(cfg, "edgefl loadgen")
     ids = device_ids(cfg.fleet.num_clients)
     if devices is not None:
         try:

@@ -458,7 +458,14 @@ class SimulationSettings(Strict):
         if not value.strip() or "\x00" in value or len(value) > 4096:
             raise ValueError("clients_from names the run directory of a run that kept its clients (leave it out to train them)")
         # absolute, so that the run's config.toml means the same folder from wherever it is resumed
-        return str(Path(value).expanduser().absolute())
+        return os.path.abspath(os.path.expanduser(value))
+
+    @model_validator(mode="after")
+    def _keep_or_take(self) -> SimulationSettings:
+        if self.keep_clients and self.clients_from:
+            raise ValueError("keep_clients with clients_from would keep a copy of clients kept already, under this "
+                             "run's name: fuse from the folder that trained them and drop keep_clients")
+        return self
 
     @field_validator("workers")
     @classmethod
@@ -627,9 +634,6 @@ class RunConfig(Strict):
         if not get_method(self.method.name).one_shot:
             raise ValueError(f"simulation.{key} is for one-shot methods (fedmho, fedmho-md, fedmho-sd, fedcvae), whose clients "
                              f"train once whatever the server does; {self.method.name} trains every round on what the server sent")
-        if sim.keep_clients and sim.clients_from:
-            raise ValueError("simulation.keep_clients with clients_from would keep a copy of clients kept already, under this "
-                             "run's name: fuse from the folder that trained them and drop keep_clients")
         if sim.worker_count(10**6) > 1 or sim.backend != "local":
             raise ValueError(f"simulation.{key} needs every device in this process (simulation.workers = 1, backend = \"local\")")
         return self

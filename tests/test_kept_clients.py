@@ -106,6 +106,10 @@ def test_server_options_may_differ_but_not_the_client_half(kept, tmp_path):
     ("state-nonfinite", "non-finite|NaN|inf"),
     ("round-2", "answers round 1"),
     ("device-renamed", "none kept for: 'client-3'"),
+    ("upload-of-a-cvae", "not its trained model's"),
+    ("upload-counts-nothing", "counts None training samples"),
+    ("state-without-its-upload", "not its trained model's"),
+    ("manifest-linked", "a link"),
 ])
 def test_a_damaged_or_hostile_kept_folder_is_refused_with_the_reason(kept, tmp_path, damage, said):
     import shutil
@@ -172,6 +176,24 @@ def test_a_damaged_or_hostile_kept_folder_is_refused_with_the_reason(kept, tmp_p
         message.round = 2
         manifest["devices"]["client-0"]["round"] = 2
         rehash("client-0", "message", encode(message))
+    elif damage in ("upload-of-a-cvae", "upload-counts-nothing"):
+        from edgefl.messages import decode, encode
+
+        own = decode(message_of("client-0"))
+        message = decode(message_of("client-2")) if damage == "upload-of-a-cvae" else own
+        message.sender = "client-0"
+        if damage == "upload-of-a-cvae":  # a decoder under the MLP client's name and sample count
+            message.meta["num_samples"] = own.meta["num_samples"]
+        else:
+            del message.meta["num_samples"]
+        rehash("client-0", "message", encode(message))
+    elif damage == "state-without-its-upload":  # client-1's state (same MLP) beside client-0's own upload
+        rehash("client-0", "state", state_of("client-1"))
+    elif damage == "manifest-linked":
+        outside = tmp_path / "elsewhere.json"
+        outside.write_text((folder / MANIFEST).read_text())
+        (folder / MANIFEST).unlink()
+        (folder / MANIFEST).symlink_to(outside)
     elif damage == "device-renamed":
         manifest["devices"]["client-X"] = manifest["devices"].pop("client-3")
         (folder / MANIFEST).write_text(json.dumps(manifest))
@@ -212,6 +234,17 @@ def test_a_missing_folder_is_refused_and_only_one_shot_methods_keep_clients(tmp_
     relative["simulation"] = {"clients_from": str(tmp_path / "a-file")}
     with pytest.raises(ConfigError, match="a file, not a run directory"):
         Simulation(RunConfig.model_validate(relative), show_progress=False)
+
+
+def test_the_local_baseline_beside_a_run_that_keeps_or_takes_clients_trains_its_own(kept, tmp_path):
+    from edgefl.baseline import baseline_config
+
+    _, source = kept
+    for sim in ({"keep_clients": True, "baseline": "local"}, {"clients_from": str(source), "baseline": "local"}):
+        raw = fedmho_config("fedmho-md")
+        raw["simulation"] = sim
+        base = baseline_config(RunConfig.model_validate(raw))
+        assert base.simulation.keep_clients is False and base.simulation.clients_from is None
 
 
 def test_a_fleet_refuses_both_keys(tmp_path):

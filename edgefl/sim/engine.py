@@ -31,6 +31,7 @@ from edgefl.errors import ConfigError, EdgeflError
 from edgefl.device import DeviceLoop, WorkDone
 from edgefl.environment import machine, source_commit
 from edgefl.heartbeat import Heartbeat
+from edgefl.methods import get_method
 from edgefl.report import human_bytes, lr_note, stage_notes
 from edgefl.rundir import RunDir
 from edgefl.safetext import printable
@@ -40,7 +41,7 @@ from edgefl.server.session import DEVICES_FILE, RunSession, config_changes, safe
 from edgefl.server.state import decode_tree, encode_tree, savable
 from edgefl.sim.batching import FitBatcher
 from edgefl.sim.hosts import Host, ProcessHost
-from edgefl.sim.kept_clients import fit_problem, kept_dir, load_kept, save_kept
+from edgefl.sim.kept_clients import KEPT_CHANGED, fit_problem, kept_dir, load_kept, save_kept
 from edgefl.sim.network import InMemoryNetwork
 
 log = logging.getLogger("edgefl.sim")
@@ -105,6 +106,7 @@ class Simulation:
         self._events: Callable[[str, dict[str, Any]], None] = lambda kind, info: None
         facts = {"simulation": {"batch_clients": batch, "backend": cfg.simulation.backend, "hosts": len(self.hosts),
                                 "threads": self.threads}}
+        self._kept_line: str | None = None  # said as the run starts: no device trains
         if cfg.simulation.clients_from:
             facts["simulation"]["clients_from"] = self._replay_kept(cfg.simulation.clients_from)
         if cfg.simulation.keep_clients:
@@ -132,13 +134,13 @@ class Simulation:
         kept, facts = load_kept(folder, self.cfg.to_dict(), sorted(self.network.loops), self.cfg.network.max_message_bytes)
         for device, loop in self.network.loops.items():
             message, state = kept[device]
-            problem = fit_problem(message, state, self.clients[device].carry_state(), len(self.clients[device].setup.x))
+            problem = fit_problem(message, state, self.clients[device].carry_state(), len(self.clients[device].setup.x),
+                                  get_method(self.cfg.method.name).uploads)
             if problem:
-                raise ConfigError(f"simulation.clients_from: {folder}: device {device!r}: {problem}",
-                                  hint="fuse from the folder of a run of this config (simulation.keep_clients = true)")
+                raise ConfigError(f"simulation.clients_from: {folder}: device {device!r}: {problem}", hint=KEPT_CHANGED)
             loop.replay = {message.round: (message, state)}
-        self.console.print(f"clients: no device trains; each answers with the upload and trained model kept in {folder} "
-                           f"(by a {facts.get('method')} run at commit {facts.get('edgefl_commit')})", markup=False, highlight=False)
+        self._kept_line = (f"clients: no device trains; each answers with the upload and trained model kept in {folder} "
+                           f"(by a {facts.get('method')} run at commit {facts.get('edgefl_commit')})")
         # a kernel's sums depend on its threads and device: the server's fusion here runs with this run's
         mixed = [f"{what} {facts[key]} there, {here} here" for key, what, here in
                  (("threads", "threads", self.threads), ("compute_device", "compute device", str(self.compute_device)))
@@ -290,6 +292,8 @@ class Simulation:
         first = self._first_round
         if not self._resumed:
             self.session.write_start()
+        if self._kept_line:
+            self.console.print(self._kept_line, markup=False, highlight=False)
         if cfg.mode == "async" and not any(slot.profile is not None for slot in self.slot_of.values()):
             # no device class: every download takes no virtual time, so "t=0.0s" on every record is no measurement
             log.warning("no fleet group names a device profile: an asynchronous simulation's virtual clock stays at 0 and "

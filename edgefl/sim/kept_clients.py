@@ -44,7 +44,7 @@ MAX_DEVICES = 100_000
 CLIENT_KEYS = ("seed", "rounds", "data", "train", "fleet")
 
 _HINT = "keep the clients with a run of the same config (simulation.keep_clients = true), or drop simulation.clients_from"
-_CHANGED = ("the folder is not as its run kept it: run that run again with simulation.keep_clients = true, or fuse from an "
+KEPT_CHANGED = _CHANGED = ("the folder is not as its run kept it: run that run again with simulation.keep_clients = true, or fuse from an "
             "intact copy (the manifest checks integrity, not who wrote it: keep the folder where only you write)")
 
 
@@ -126,6 +126,8 @@ def _problem(where: Path, why: str, hint: str = _HINT) -> ConfigError:
 
 def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
+    if path.is_symlink():
+        raise _problem(path, "a link: the manifest lies in the folder itself", _CHANGED)
     if not path.is_file():
         what = "no such folder" if not folder.parent.exists() else f"no {CLIENTS_DIR}/{MANIFEST} (a run that kept no clients)"
         raise _problem(folder.parent if folder.name == CLIENTS_DIR else folder, what)
@@ -194,7 +196,7 @@ def load_kept(path: str | Path, cfg_dict: dict[str, Any], devices: list[str], ma
         try:
             message = decode(data, max_bytes)
         except PayloadError as exc:
-            raise _problem(msg_path, f"not a message ({exc})") from None
+            raise _problem(msg_path, f"not a message ({exc})", _CHANGED) from None
         if message.sender != device:
             raise _problem(msg_path, f"a message of {message.sender!r}: the manifest says it is {device!r}'s", _CHANGED)
         if message.round != 1 or entry["round"] != 1:
@@ -214,16 +216,28 @@ def load_kept(path: str | Path, cfg_dict: dict[str, Any], devices: list[str], ma
     return out, facts
 
 
-def fit_problem(message: Message, state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], samples: int) -> str | None:
+def fit_problem(message: Message, state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], samples: int,
+                uploads: tuple[str, ...]) -> str | None:
     """Why a kept (upload, state) cannot be this device's: a state of another model (``own``: the
-    device's carry_state), or an upload that counts other samples than the device trains on."""
+    device's carry_state), an upload of a kind the method does not send, that counts other samples
+    than the device trains on or (a method that uploads model tensors: FedMHO's weights and
+    decoders) whose tensors are not the trained model's."""
     if set(state) != set(own):
         odd = sorted(set(state) ^ set(own))
         return f"its state is of another model ({len(odd)} tensor names differ, e.g. {odd[0][:60]!r})"
-    shaped = next((k for k in own if tuple(state[k].shape) != tuple(own[k].shape) or state[k].dtype != own[k].dtype), None)
-    if shaped is not None:
-        return f"its state is of another model ({shaped[:60]!r}: {tuple(state[shaped].shape)}, this device's {tuple(own[shaped].shape)})"
+    for k in own:
+        if tuple(state[k].shape) != tuple(own[k].shape) or state[k].dtype != own[k].dtype:
+            return (f"its state is of another model ({k[:60]!r}: {tuple(state[k].shape)} {state[k].dtype}, this device's "
+                    f"{tuple(own[k].shape)} {own[k].dtype})")
+    if message.kind not in uploads:
+        return f"a {message.kind!r} upload: the method's clients send {', '.join(uploads)}"
     counted = message.meta.get("num_samples")
-    if counted is not None and counted != samples:
-        return f"its upload counts {counted} training samples, this device holds {samples} (another device's or seed's)"
+    if type(counted) is not int or counted != samples:
+        return f"its upload counts {counted!r} training samples, this device holds {samples} (another device's or seed's files)"
+    if set(uploads) <= {"weights", "decoder"}:  # every uploaded tensor is one of the trained model's
+        for name, t in message.tensors.items():
+            mine = state.get(f"model.{name}")
+            if mine is None or tuple(mine.shape) != tuple(t.shape) or mine.dtype != t.dtype or not torch.equal(mine, t):
+                return (f"its upload's {name[:60]!r} is not its trained model's (an upload and a state of different devices "
+                        "or runs)")
     return None
