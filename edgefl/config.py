@@ -436,8 +436,8 @@ class SimulationSettings(Strict):
                                              "with the work and messages under way) and when the run is stopped, so "
                                              "`edgefl simulate --resume --out RUN_DIR` goes on with the numbers an uninterrupted run "
                                              "gives; 0: never (runs with every device in this process)")
-    keep_clients: bool = Field(
-        False, description="one-shot methods: save each device's upload and trained state into RUN_DIR/clients, so that other "
+    keep_clients: bool | None = Field(
+        None, description="true: one-shot methods save each device's upload and trained state into RUN_DIR/clients, so that other "
                            "server halves (FedMHO, -MD, -SD) can fuse the same clients without training them again "
                            "(simulation.clients_from); a classifier client's files are about twice its weights")
     clients_from: str | None = Field(

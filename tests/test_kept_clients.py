@@ -244,7 +244,7 @@ def test_the_local_baseline_beside_a_run_that_keeps_or_takes_clients_trains_its_
         raw = fedmho_config("fedmho-md")
         raw["simulation"] = sim
         base = baseline_config(RunConfig.model_validate(raw))
-        assert base.simulation.keep_clients is False and base.simulation.clients_from is None
+        assert not base.simulation.keep_clients and base.simulation.clients_from is None
 
 
 def test_a_fleet_refuses_both_keys(tmp_path):

@@ -18,6 +18,7 @@ from edgefl.server.session import ADDED_SINCE, config_digest, legacy_digests
 #: every setting RunConfig.to_dict() can write, as of the last setting added (eval.unselected);
 #: a new one goes here once it is resumable (default None, or in ADDED_SINCE)
 KNOWN = {
+    "simulation.keep_clients", "simulation.clients_from",  # default None: written only when set
     "asynchronous.aggregation", "asynchronous.buffer_size", "asynchronous.concurrency",
     "asynchronous.device_accuracy", "asynchronous.eval_every_s", "asynchronous.mixing", "asynchronous.server_lr",
     "asynchronous.staleness_bound", "asynchronous.staleness_exponent", "asynchronous.time_budget_s",
