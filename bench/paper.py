@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 from common import RESULTS, save_figure  # noqa: E402
 
 from edgefl.config import apply_overrides  # noqa: E402
+from edgefl.configtools import config_differences  # noqa: E402
 from edgefl.environment import machine, package_versions, source_commit  # noqa: E402
 from edgefl.errors import EdgeflError  # noqa: E402
 from edgefl.rundir import RunDir  # noqa: E402
@@ -321,16 +322,8 @@ def differs_from_asked(had: dict[str, Any], cell: Cell, device: str, overrides: 
     from edgefl.config import validate_config
 
     want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
-    differ = [f"{key}: {a!r} there, {b!r} asked" for key, a, b in _differences(had, want) if key not in NOT_COMPARED]
+    differ = [f"{key}: {a!r} there, {b!r} asked" for key, a, b in config_differences(had, want) if key not in NOT_COMPARED]
     return "; ".join(differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "") if differ else None
-
-
-def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, a's value, b's value) wherever two configs differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for key in sorted(set(a) | set(b), key=str)
-                for d in _differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))]
-    return [] if a == b else [(prefix or "(config)", a, b)]
 
 
 MERGE_MAX_BYTES = 16 << 20  # a table.json is kilobytes; a file this large is not one

@@ -485,20 +485,15 @@ def _saved_checkpoint_every(run_dir: Path, default: int) -> int:
 def config_changes(cfg: RunConfig, run_dir: Path) -> str:
     """``: rounds 3 -> 4, ...`` against the run directory's config.toml, when it can be read ("" when
     only what a resume may change differs)."""
-    from edgefl.configtools import tomllib
-
-    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(node, dict):
-            return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): node}
+    from edgefl.configtools import config_differences, tomllib
 
     try:
-        saved = flat(tomllib.loads((run_dir / "config.toml").read_text()))
+        saved = tomllib.loads((run_dir / "config.toml").read_text())
     except (OSError, ValueError):
         return ""
-    now = flat(tomllib.loads(cfg.to_toml()))
-    changed = [f"{k} {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k) and tuple(k.split(".", 1)) not in RESUME_MAY_CHANGE]
+    shown = lambda value: "(unset)" if value is None else value  # noqa: E731  (TOML has no null: None is a missing key)
+    changed = [f"{k} {shown(a)!r} -> {shown(b)!r}" for k, a, b in config_differences(saved, tomllib.loads(cfg.to_toml()))
+               if tuple(k.split(".", 1)) not in RESUME_MAY_CHANGE]
     return f": {', '.join(changed[:5])}" + (" ..." if len(changed) > 5 else "") if changed else ""
 
 

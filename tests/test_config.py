@@ -123,3 +123,16 @@ def test_per_group_train_override():
     assert cfg.train_for(cfg.fleet.groups[0]).epochs == 3
     assert cfg.train_for(cfg.fleet.groups[0]).lr == cfg.train.lr
     assert cfg.train_for(cfg.fleet.groups[1]).epochs == 1
+
+
+def test_config_differences_name_the_leaf_that_differs():
+    """One comparison serves resume refusals, bench paper --merge and kept clients: it names leaves,
+    a table one side lacks by its leaves, and lists item by item only when asked."""
+    from edgefl.configtools import config_differences
+
+    saved = {"rounds": 3, "fleet": {"groups": [{"count": 2}, {"count": 3}]}, "method": {"options": {}}}
+    now = {"rounds": 4, "fleet": {"groups": [{"count": 2}, {"count": 5}]}, "extra": {"a": 1}}
+    assert config_differences(saved, now) == [("extra.a", None, 1), ("fleet.groups", saved["fleet"]["groups"], now["fleet"]["groups"]),
+                                              ("rounds", 3, 4)]
+    assert [k for k, _, _ in config_differences(saved, now, into_lists=True)] == ["extra.a", "fleet.groups.1.count", "rounds"]
+    assert config_differences(saved, saved) == [] and config_differences(1, 2) == [("(config)", 1, 2)]

@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from edgefl.configtools import config_differences
 from edgefl.errors import ConfigError, PayloadError
 from edgefl.messages import Message, decode, encode
 from edgefl.methods import get_method
@@ -77,16 +78,6 @@ def client_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     read = getattr(spec.options_model, "client_reads", None)  # None: not declared, so every option may matter
     options = method if read is None else {k: v for k, v in method.items() if k in read}
     return {"client_half": spec.client_path, "method_options": options, **{k: cfg_dict.get(k) for k in CLIENT_KEYS}}
-
-
-def differences(a: Any, b: Any, prefix: str = "") -> list[str]:
-    """Dotted keys where two JSON-like values differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for key in sorted(set(a) | set(b), key=str)
-                for d in differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))]
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):  # fleet.groups.1.count, not "fleet.groups"
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{prefix}.{i}")]
-    return [] if a == b else [prefix or "(config)"]
 
 
 def _digest(data: bytes) -> str:
@@ -179,7 +170,7 @@ def load_kept(path: str | Path, cfg_dict: dict[str, Any], devices: list[str], ma
     and the manifest's facts (source method, commit, machine) for run.json."""
     folder = kept_dir(path)
     manifest = read_manifest(folder)
-    differ = differences(manifest["client_config"], client_config(cfg_dict))
+    differ = [key for key, _, _ in config_differences(manifest["client_config"], client_config(cfg_dict), into_lists=True)]
     if differ:
         shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
         raise _problem(folder, f"its clients trained on another config ({shown} differ{'s' if len(differ) == 1 else ''})")
