@@ -348,6 +348,8 @@ def _fraction_problem(value: Any) -> str | None:
     """Why ``value`` is not an accuracy (a fraction in [0, 1]); None when it is one."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{_json_kind(value)} ({json.dumps(value)[:20]}), not a number"
+    if isinstance(value, int) and not -2 <= value <= 101:  # (math.isfinite overflows on a huge integer)
+        return f"{str(value)[:12]}..., not a fraction in [0, 1]"
     if not math.isfinite(value) or not 0 <= value <= 1:
         return f"{value:g}, not a fraction in [0, 1]" + (" (a percentage?)" if 1 < value <= 100 else "")
     return None
@@ -381,7 +383,8 @@ def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str,
         if kept[key] is not None:
             kept[key] = printable(kept[key], 300)
     wall = kept["wall_time_s"]
-    if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0):
+    if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float)) or wall < 0
+                             or (isinstance(wall, int) and wall > 10**9) or not math.isfinite(wall)):
         raise MergeRefused(f"{said}'s wall_time_s is {json.dumps(wall)[:20]}, not a number of seconds")
     return {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
             "accuracy": {str(r): v for r, v in accuracy.items()}, **kept}
@@ -391,12 +394,15 @@ def _read_table_json(path: Path) -> dict[str, Any]:
     """An earlier sitting's table.json, as far as its shape: a table with a list of cells."""
     what = "--merge takes the table.json an earlier `bench paper` run wrote"
     try:
+        if path.exists() and not path.is_file():  # a FIFO or a device would be read without end
+            raise MergeRefused(f"{path} is not a regular file (a pipe, a device or a folder)", hint=what + " (a file on disk)")
         size = path.stat().st_size
         if size > MERGE_MAX_BYTES:
             raise MergeRefused(f"{path} is {size / (1 << 20):.1f} MiB: not a table.json (those are kilobytes)", hint=what)
         held = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise MergeRefused(f"{path} cannot be read as a table.json ({str(exc)[:120]})", hint=what) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:120]
+        raise MergeRefused(f"{path} cannot be read as a table.json ({why})", hint=what) from None
     if not isinstance(held, dict) or not isinstance(held.get("cells"), list):
         raise MergeRefused(f"{path} is not a table.json (no list of cells)", hint=what)
     return held
@@ -433,9 +439,10 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
         own = path == carried
         try:
             held = _read_table_json(path)
-        except MergeRefused:
-            if own:  # (the folder's own file, unreadable: the report writes it anew)
-                continue
+        except MergeRefused as exc:
+            if own:  # its merged cells are recorded nowhere else: writing it anew would lose them
+                raise MergeRefused(f"this folder's own {exc.message}; nothing was written",
+                                   hint=f"restore {path} (or move it aside to start the table's record anew)") from None
             raise
         entries = held["cells"][:10_000]
         if own:
@@ -464,7 +471,10 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             key = entry["cell"]
             if key in merged:
                 if merged[key]["accuracy"] != entry["accuracy"]:
-                    notes.append(f"{key}: the result merged earlier into {path} is replaced by the one in {merged[key]['from']}")
+                    raise MergeRefused(f"{key} has two results, {entry['accuracy']} merged earlier into {path}, "
+                                       f"{merged[key]['accuracy']} in {merged[key]['from']}",
+                                       hint=f"keep one of the two: remove the cell from {merged[key]['from']}, or its entry "
+                                            f"from {path} to take the other")
                 continue
             if entry["config"] is None:
                 untold.append(key)
@@ -821,7 +831,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     if report_only and otherwise:  # (most likely the --set they ran with was left out): the folder's table stays as it was
         print(f"{out / 'table.json'} and table.png not written: this report leaves out cells run with another config")
         return payload
-    (out / "table.json").write_text(json.dumps(payload, indent=2, default=str))
+    written = out / "table.json.tmp"  # a report stopped while writing leaves the earlier table.json whole
+    written.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(written, out / "table.json")
     print(f"wrote {out / 'table.json'}")
     figure = plot(table, lines, out / "table.png", scale, _setting(_asked(cells[0], device, overrides)) if cells else "", overrides)
     print(f"wrote {figure}")
@@ -911,7 +923,7 @@ def _other_table(out: Path, name: str, scale: str) -> str | None:
     """What ``out`` holds when it is another table's (or another scale's) folder, from its table.json."""
     try:
         held = json.loads((out / "table.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(held, dict) or (held.get("table"), held.get("scale")) == (name, scale):
         return None
@@ -998,6 +1010,8 @@ def main() -> None:
                      + (" (a cell of another seed needs --seeds)" if any("-s" in k for k in unknown) else ""))
         cells = [c for c in cells if c.key in wanted]
     out = args.out or RESULTS / "paper" / f"{args.table}-{args.scale}"
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file: the table's folder holds its cells' run directories and table.json (name a folder)")
     if args.report_only and not out.is_dir() and not args.merge:
         ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
     other = _other_table(out, args.table, args.scale)

@@ -275,6 +275,16 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     assert "config is a string" in refused({**earlier, "cells": [{**cell, "config": "hello"}]})
     assert "wall_time_s is -5" in refused({**earlier, "cells": [{**cell, "wall_time_s": -5}]})
     assert "cells[0] names no cell" in refused({**earlier, "cells": ["chfl-iid-s0"]})
+    # a third trial's: tracebacks on deep nesting and 4000-digit numbers, a FIFO read without end
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(paper.MergeRefused, match="nested too deeply"):
+        paper._read_table_json(tmp_path / "deep.json")
+    assert "not a fraction in [0, 1]" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 10**4000}}]})
+    assert "wall_time_s is" in refused({**earlier, "cells": [{**cell, "wall_time_s": 10**4000}]})
+    import os
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(paper.MergeRefused, match="not a regular file"):
+        paper._read_table_json(tmp_path / "fifo.json")
     # a second trial's: a result for another row only (the cell counted as finished again), or beside its own
     assert "has no CHFL accuracy (its own row)" in refused({**earlier, "cells": [{**cell, "accuracy": {"SOLO": 0.8}}]})
     assert "a row 'SOLO' another cell fills" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 0.8, "SOLO": 0.1}}]})
@@ -310,6 +320,25 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     moved = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert moved.returncode == 0 and "is not carried" in moved.stdout and "method.name: 'fedavg' there" in moved.stdout, moved.stderr
+    # the folder's own table.json damaged: refused, not written anew without its merged cells
+    made = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, *merge],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    damaged = (fresh / "table.json").read_bytes().replace(b'"cells"', b'"c\xffells"', 1)
+    (fresh / "table.json").write_bytes(damaged)
+    lost = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert lost.returncode == 2 and "this folder's own" in lost.stderr and (fresh / "table.json").read_bytes() == damaged, lost.stderr
+    # a later --merge with another result for a cell the folder holds: refused, as two files are
+    (fresh / "table.json").write_text(json.dumps(earlier | {"cells": [{**cell, "from": "x.json"}]}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 0.123}}]}))
+    replaced = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, "--merge", str(other)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert replaced.returncode == 2 and "chfl-iid-s0 has two results" in replaced.stderr, replaced.stdout[-2000:]
+    # --out naming a file
+    named = subprocess.run([sys.executable, script, "chfl", "--out", str(other), "--report-only", *smoke],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert named.returncode == 2 and "is a file" in named.stderr and "Traceback" not in named.stderr
     # options that need a table, without one, are a usage error (they were ignored)
     bare = subprocess.run([sys.executable, script, "--report-only", *merge], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bare.returncode == 2 and "--merge, --report-only need a TABLE" in bare.stderr
