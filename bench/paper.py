@@ -905,7 +905,7 @@ def _setting(config: dict[str, Any]) -> str:
 
 SCALES = {"paper": "the paper's length, devices, widths and epochs: a GPU's work",
           "cpu": "every choice of the paper's but length, devices, widths, epochs and data (600 images a device, a 2,000-image "
-                 "test subset; FedIN: a quarter of the devices a round), cut to fit a 2-core CPU"}
+                 "test subset; FedIN: a quarter of the devices a round; FedMHO: the whole data set), cut to fit a 2-core CPU"}
 
 
 def _seeds(text: str, ap: argparse.ArgumentParser) -> list[int]:
