@@ -348,7 +348,7 @@ def _fraction_problem(value: Any) -> str | None:
     """Why ``value`` is not an accuracy (a fraction in [0, 1]); None when it is one."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{_json_kind(value)} ({json.dumps(value)[:20]}), not a number"
-    if isinstance(value, int) and not -2 <= value <= 101:  # (math.isfinite overflows on a huge integer)
+    if isinstance(value, int) and abs(value) > 10**6:  # (math.isfinite overflows on a 4000-digit integer)
         return f"{str(value)[:12]}..., not a fraction in [0, 1]"
     if not math.isfinite(value) or not 0 <= value <= 1:
         return f"{value:g}, not a fraction in [0, 1]" + (" (a percentage?)" if 1 < value <= 100 else "")

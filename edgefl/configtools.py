@@ -93,12 +93,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
 
 
-
-
 def config_differences(a: Any, b: Any, *, into_lists: bool = False, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted key, a's value, b's value) wherever two JSON-like configs differ; a key one side lacks
-    has None there (a table one side lacks, its leaves). ``into_lists``: lists of one length are compared item by item, so a difference
-    is named ``fleet.groups.1.count`` rather than ``fleet.groups``."""
+    has None there (a table one side lacks, each of its leaves). ``into_lists``: lists of one length
+    are compared item by item, so a difference is named ``fleet.groups.1.count``, not ``fleet.groups``."""
     if isinstance(a, dict) and isinstance(b, dict) or (a is None and isinstance(b, dict)) or (b is None and isinstance(a, dict)):
         a, b = a or {}, b or {}  # a table one side lacks: name its leaves, as a key one side lacks is
         return [d for key in sorted(set(a) | set(b), key=str)

@@ -323,6 +323,7 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     # the folder's own table.json damaged: refused, not written anew without its merged cells
     made = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, *merge],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert made.returncode == 0, made.stderr[-2000:]
     damaged = (fresh / "table.json").read_bytes().replace(b'"cells"', b'"c\xffells"', 1)
     (fresh / "table.json").write_bytes(damaged)
     lost = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
