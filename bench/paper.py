@@ -323,11 +323,14 @@ def differs_from_asked(had: dict[str, Any], cell: Cell, device: str, overrides: 
     from edgefl.config import validate_config
 
     want = validate_config(_asked(cell, device, overrides), cell.key).to_dict()
-    differ = [f"{key}: {a!r} there, {b!r} asked" for key, a, b in config_differences(had, want) if key not in NOT_COMPARED]
+    # (into lists: a group's epochs are named fleet.groups.0.train.epochs, not shown as both whole lists)
+    differ = [f"{key}: {printable(repr(a), 80)} there, {printable(repr(b), 80)} asked"
+              for key, a, b in config_differences(had, want, into_lists=True) if key not in NOT_COMPARED]
     return "; ".join(differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "") if differ else None
 
 
 MERGE_MAX_BYTES = 16 << 20  # a table.json is kilobytes; a file this large is not one
+MERGE_MAX_CELLS = 10_000  # a table's cells times its seeds is dozens
 
 
 class MergeRefused(EdgeflError):
@@ -370,9 +373,12 @@ def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str,
         problem = None if value is None and row != cell.row else _fraction_problem(value)
         if problem:  # (the cell's own row must have a number: a finished cell without one is not finished)
             raise MergeRefused(f"{said}'s {row} accuracy is {problem}")
-    if (raw.get("row"), raw.get("column"), raw.get("seed")) != (cell.row, cell.column, cell.seed):
+    seed = raw.get("seed")
+    seed_is_int = isinstance(seed, int) and not isinstance(seed, bool)  # (false == 0 and "0" print alike: say which)
+    if (raw.get("row"), raw.get("column")) != (cell.row, cell.column) or not seed_is_int or seed != cell.seed:
+        told = f"seed {seed}" if seed_is_int and abs(seed) < 10**9 else f"seed {json.dumps(seed)[:20]}, {_json_kind(seed)}"
         raise MergeRefused(f"{said} is recorded as ({str(raw.get('row'))[:30]}, {str(raw.get('column'))[:30]}, "
-                           f"seed {str(raw.get('seed'))[:10]}), the table has it as ({cell.row}, {cell.column}, seed {cell.seed})")
+                           f"{told}), the table has it as ({cell.row}, {cell.column}, seed {cell.seed})")
     if raw.get("metric", cell.metric) != cell.metric:
         raise MergeRefused(f"{said} reports its {str(raw.get('metric'))[:20]} accuracy, the table its {cell.metric} one")
     kept = {k: raw.get(k) for k in ("run", "compute_device", "wall_time_s", "machine", "commit", "config")}
@@ -444,7 +450,9 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
                 raise MergeRefused(f"this folder's own {exc.message}; nothing was written",
                                    hint=f"restore {path} (or move it aside to start the table's record anew)") from None
             raise
-        entries = held["cells"][:10_000]
+        entries = held["cells"][:MERGE_MAX_CELLS]
+        if len(held["cells"]) > MERGE_MAX_CELLS:  # (a table has dozens of cells: the rest are not read, and said so)
+            notes.append(f"{path}: only its first {MERGE_MAX_CELLS:,} of {len(held['cells']):,} cells were read")
         if own:
             entries = [raw for raw in entries if isinstance(raw, dict) and raw.get("from")]
         if not entries:
@@ -459,7 +467,7 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
         unasked, untold = 0, []
         for i, raw in enumerate(entries):
             try:
-                entry = _merged_cell(raw, i, path, f"{name} at --scale {scale}", by_key, prefixes, rows, device, overrides, merged, own)
+                entry = _merged_cell(raw, i, path, f"{name} at --scale {scale}", by_key, prefixes, rows, device, overrides, own)
             except MergeRefused as exc:
                 if not own:
                     raise
@@ -471,10 +479,7 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             key = entry["cell"]
             if key in merged:
                 if merged[key]["accuracy"] != entry["accuracy"]:
-                    raise MergeRefused(f"{key} has two results, {entry['accuracy']} merged earlier into {path}, "
-                                       f"{merged[key]['accuracy']} in {merged[key]['from']}",
-                                       hint=f"keep one of the two: remove the cell from {merged[key]['from']}, or its entry "
-                                            f"from {path} to take the other")
+                    raise _two_results(key, merged[key], entry, path, own)
                 continue
             if entry["config"] is None:
                 untold.append(key)
@@ -487,11 +492,24 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
     return merged, notes
 
 
+def _two_results(key: str, first: dict[str, Any], second: dict[str, Any], path: Path, own: bool) -> MergeRefused:
+    """The refusal of a cell given two different results: ``first`` taken earlier, ``second`` in ``path``
+    (``own``: the output folder's table.json, where ``second`` was merged in an earlier report)."""
+    if own:
+        where = f"{second['accuracy']} merged earlier into {path}, {first['accuracy']} in {first['from']}"
+        hint = f"keep one of the two: remove the cell from {first['from']}, or its entry from {path} to take the other"
+    else:
+        where = (f"twice in {path}: {first['accuracy']} and {second['accuracy']}" if first["from"] == str(path) else
+                 f"{first['accuracy']} in {first['from']}, {second['accuracy']} in {path}")
+        hint = "keep one of the two (remove the cell from the other file, or the other entry from the file)"
+    return MergeRefused(f"{key} has two results, {where}", hint=hint)
+
+
 def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, Cell], prefixes: set[str], rows: set[str],
-                 device: str, overrides: list[str], merged: dict[str, dict[str, Any]], own: bool) -> dict[str, Any] | None:
+                 device: str, overrides: list[str], own: bool) -> dict[str, Any] | None:
     """Entry ``i`` of a --merge file, checked: the cell's record with ``from`` set; None for a cell of
-    a seed not asked for. Refused (:class:`MergeRefused`): a malformed entry, another config than
-    this command's, and a second, different result for a cell an earlier --merge file gave."""
+    a seed not asked for. Refused (:class:`MergeRefused`): a malformed entry and another config
+    than this command's (a second result for a cell is :func:`load_merged`'s to refuse)."""
     key = raw.get("cell") if isinstance(raw, dict) else None
     if not isinstance(key, str):
         raise MergeRefused(f"{path}: cells[{i}] names no cell (each entry is a table with a \"cell\" key)")
@@ -502,12 +520,6 @@ def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, 
             return None  # the same cell at another seed
         raise MergeRefused(f"{path}: {printable(key, 60)!r} is not a cell of {table_of}")
     entry = _merged_entry(raw, cell, rows, str(path))
-    first = merged.get(key)
-    if first is not None and first["accuracy"] != entry["accuracy"] and not own:
-        where = (f"twice in {path}: {first['accuracy']} and {entry['accuracy']}" if first["from"] == str(path) else
-                 f"{first['accuracy']} in {first['from']}, {entry['accuracy']} in {path}")
-        raise MergeRefused(f"{key} has two results, {where}", hint="keep one of the two (remove the cell from the other file, or the "
-                                                                    "other entry from the file)")
     why = differs_from_asked(entry["config"], cell, device, overrides) if entry["config"] is not None else None
     if why:
         raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: {why}",
@@ -749,7 +761,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     otherwise: dict[str, str] = {}
     shadowed: list[str] = []  # merged cells whose run directory here finished too: the run directory counts
     for cell in cells:
-        asked[cell.row, cell.column] = asked.get((cell.row, cell.column), 0) + 1
+        for row in (cell.row, *cell.extra_rows):  # (FedMHO's cell fills the FedAvg row too)
+            asked[row, cell.column] = asked.get((row, cell.column), 0) + 1
         why = ran_otherwise(cell, out, device, overrides)
         s = None if why else _summary(out / cell.key)
         if s and not s.get("interrupted") and cell.key in merged:

@@ -275,6 +275,13 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     assert "config is a string" in refused({**earlier, "cells": [{**cell, "config": "hello"}]})
     assert "wall_time_s is -5" in refused({**earlier, "cells": [{**cell, "wall_time_s": -5}]})
     assert "cells[0] names no cell" in refused({**earlier, "cells": ["chfl-iid-s0"]})
+    # a fourth look's: false and "0" were taken for seed 0 (or said as "seed 0" beside seed 0)
+    assert "seed false, a boolean), the table has it as" in refused({**earlier, "cells": [{**cell, "seed": False}]})
+    assert 'seed "0", a string), the table has it as' in refused({**earlier, "cells": [{**cell, "seed": "0"}]})
+    groups = cell["config"]["fleet"]["groups"]  # a group's field differing is named, not shown as two whole lists
+    regrouped = {**cell, "config": {**cell["config"], "fleet": {**cell["config"]["fleet"],
+                                                               "groups": [{**groups[0], "count": groups[0]["count"] + 1}, *groups[1:]]}}}
+    assert f"fleet.groups.0.count: {groups[0]['count'] + 1} there, {groups[0]['count']} asked" in refused({**earlier, "cells": [regrouped]})
     # a third trial's: tracebacks on deep nesting and 4000-digit numbers, a FIFO read without end
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(paper.MergeRefused, match="nested too deeply"):
@@ -369,3 +376,17 @@ def test_fedmho_cells_of_one_alpha_and_seed_train_their_clients_once(tmp_path):
     assert paper._with_clients(md, asked, tmp_path, started, siblings)["simulation"]["keep_clients"] is True
     had = validate_config(then, "sd").to_dict()
     assert paper.differs_from_asked(had, sd, "auto", []) is None
+
+
+def test_the_fedavg_row_a_fedmho_cell_fills_counts_the_seeds_asked_of_it(tmp_path):
+    """Table IV's FedAvg row comes from the FedMHO cells (the classifiers they fuse from): it is asked
+    for as often as they are, so a row of two seeds with one done says so."""
+    paper = _paper()
+    table = paper.TABLES["fedmho"]
+    cells = [c for seed in (0, 1) for c in table.cells("cpu", seed)]
+    merged = {"fedmho-a0.5-s0": {"cell": "fedmho-a0.5-s0", "row": "FedMHO", "column": "Dir 0.5", "seed": 0, "metric": "final",
+                                 "accuracy": {"FedMHO": 0.74, "FedAvg": 0.17}, "from": "earlier.json", "commit": "abc"}}
+    payload = paper.report("fedmho", table, cells, tmp_path, "cpu", "auto", [], seeds=[0, 1], report_only=True, merged=merged)
+    rows = {(ln["row"], ln["column"]): ln for ln in payload["rows"]}
+    assert (rows["FedAvg", "Dir 0.5"]["seeds_done"], rows["FedAvg", "Dir 0.5"]["seeds_asked"]) == (1, 2)
+    assert (rows["FedMHO", "Dir 0.5"]["seeds_done"], rows["FedMHO", "Dir 0.5"]["seeds_asked"]) == (1, 2)
