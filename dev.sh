@@ -2,14 +2,18 @@
 # Sets up everything edgefl needs on a fresh machine, then runs one job:
 #   ./dev.sh demo [edgefl simulate options]   the main job on its embedded defaults
 #   ./dev.sh test [pytest options]            lint (ruff) and the test suite (what .ci/run calls)
-#   ./dev.sh bench NAME [options]             a benchmark from bench/
-#   ./dev.sh edgefl ARGS...                   any edgefl command inside the environment
+#   ./dev.sh bench NAME [options]             a benchmark from bench/, run in the checkout (bench paper's
+#                                             --out and --merge are relative to the folder you are in)
+#   ./dev.sh edgefl ARGS...                   any edgefl command inside the environment, run in the
+#                                             folder you are in (its relative paths are yours)
 #   ./dev.sh arm-device [bench options]       an emulated 64-bit ARM device (Debian arm64 root file system
 #                                             under qemu-user-static, edgefl installed as on a Pi), then
 #                                             bench/arm_device.py: profile, fleet run under a RAM cap, footprints
 # Set-up is idempotent: the virtual environment (.venv, or $EDGEFL_VENV) is rebuilt only when
 # pyproject.toml changes. As root it also installs the Debian packages the job needs.
 set -euo pipefail
+# paths a user gives (a config, --out, --merge) are theirs: relative to where they ran this from
+CALLER_DIR=$PWD
 cd "$(dirname "$0")"
 ROOT=$PWD
 VENV=${EDGEFL_VENV:-$ROOT/.venv}
@@ -138,10 +142,12 @@ case "$job" in
         apt_install dataset-fashion-mnist mosquitto
         setup_venv
         name=${1:?usage: ./dev.sh bench NAME [options]}; shift
+        export EDGEFL_CALLER_DIR=$CALLER_DIR  # (bench/paper.py reads its --out and --merge from there)
         exec "$VENV/bin/python" "bench/$name.py" "$@"
         ;;
     edgefl)
         setup_venv
+        cd "$CALLER_DIR"  # a command line like any other: its paths (and runs/) where the user is
         exec "$VENV/bin/edgefl" "$@"
         ;;
     setup)

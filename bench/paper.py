@@ -995,6 +995,10 @@ def main() -> None:
                          "session whose run directories are gone): they are not run again; each is checked against "
                          "this command's config. Repeatable")
     args = ap.parse_args()
+    caller = os.environ.get("EDGEFL_CALLER_DIR")
+    if caller:  # ./dev.sh runs a benchmark in the checkout: the paths a user gave are relative to where they are
+        args.out = Path(caller) / args.out if args.out is not None and not args.out.is_absolute() else args.out
+        args.merge = [m if m.is_absolute() else Path(caller) / m for m in args.merge]
     seeds = _seeds(args.seeds, ap)
     given = [flag for flag, on in (("--merge", args.merge), ("--report-only", args.report_only), ("--cells", args.cells is not None),
                                    ("--probe", args.probe is not None), ("--set", args.overrides), ("--out", args.out)) if on]

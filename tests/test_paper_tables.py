@@ -93,6 +93,13 @@ def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "absent").exists()
+    # through ./dev.sh (which runs benchmarks in the checkout) a relative --out or --merge is the user's folder's
+    import os
+    theirs = {**os.environ, "EDGEFL_CALLER_DIR": str(tmp_path)}
+    for args, said in [(["--out", "rel"], f"{tmp_path / 'rel'} does not exist"), (["--merge", "m.json"], f"{tmp_path / 'm.json'} cannot")]:
+        relative = subprocess.run([sys.executable, script, "chfl", "--report-only", *args], capture_output=True, text=True,
+                                  timeout=120, cwd=ROOT, env=theirs)
+        assert relative.returncode == 2 and said in relative.stderr, relative.stderr[-2000:]
     # an outside trial's mistakes: each a usage error before anything is run or written
     other = tmp_path / "fedhe-cpu"
     other.mkdir()
