@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,22 @@ def test_cli_assign_takes_its_budgets_from_a_run_config_and_agrees_with_the_run(
     assert "batch 16, deadline 30 s" in " ".join(mine.stdout.split())  # an option beats the config
     assert edgefl("assign", "--config", path, "--group", "7").returncode == 2
     assert "--group needs --config" in edgefl("assign", "--profile", "pi4-4gb", "--group", "1").stderr
+
+
+def test_a_cache_file_two_processes_write_keeps_what_each_wrote(tmp_path):
+    # each process reads the file once: one that loaded it before another saved must add to the
+    # file, not put back its older copy (xdist workers lost each other's forward statistics so)
+    from edgefl.models.registry import JsonFileCache
+
+    path = tmp_path / "cache.json"
+    first, second = JsonFileCache(lambda: path), JsonFileCache(lambda: path)
+    first.load(), second.load()  # both started before either saved
+    first.load()["a"] = 1
+    first.save()
+    second.load()["b"] = 2
+    second.save()
+    assert json.loads(path.read_text()) == {"a": 1, "b": 2}
+    assert second.load() == {"a": 1, "b": 2}, "what the file gained is this process's too"
 
 
 def test_forward_statistics_are_kept_on_disk_so_assign_does_not_count_them_again(monkeypatch):

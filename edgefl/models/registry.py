@@ -235,7 +235,9 @@ def _cache_path() -> Path:
 class JsonFileCache:
     """A dict kept in one JSON file of the user's cache folder, read once per process; failing to
     write it (a read-only home) costs time, nothing else. Shared by the zoo's measurements and
-    the cost model's forward statistics."""
+    the cost model's forward statistics. Several processes share the file (test workers, a
+    fleet's devices on one host): a save takes the file's lock and adds to what is on disk
+    (a plain rewrite from this process's copy dropped the entries others had written since)."""
 
     def __init__(self, path: Callable[[], Path]) -> None:
         self.path = path
@@ -251,12 +253,20 @@ class JsonFileCache:
         return self.data
 
     def save(self) -> None:
+        from filelock import FileLock  # (torch's own dependency)
+
         path = self.path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.load()))
-            os.replace(tmp, path)
+            with FileLock(path.with_name(path.name + ".lock"), timeout=10):  # (filelock's Timeout is an OSError)
+                try:
+                    held = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    held = {}
+                self.data = {**(held if isinstance(held, dict) else {}), **self.load()}
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(self.data))
+                os.replace(tmp, path)
         except OSError:
             pass
 
