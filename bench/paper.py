@@ -331,10 +331,21 @@ def differs_from_asked(had: dict[str, Any], cell: Cell, device: str, overrides: 
 
 MERGE_MAX_BYTES = 16 << 20  # a table.json is kilobytes; a file this large is not one
 MERGE_MAX_CELLS = 10_000  # a table's cells times its seeds is dozens
+MERGE_MAX_DEPTH = 16  # a run's config nests four levels: one nested hundreds deep would stop the comparison's recursion
 
 
 class MergeRefused(EdgeflError):
     """A --merge file that is not a table.json of this table, scale and config."""
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests tables or lists more than ``limit`` levels deep (walked without recursion)."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item if isinstance(item, list) else ())]
+        if not level:
+            return False
+    return True
 
 
 def _json_kind(value: Any) -> str:
@@ -378,13 +389,19 @@ def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str,
     if (raw.get("row"), raw.get("column")) != (cell.row, cell.column) or not seed_is_int or seed != cell.seed:
         told = f"seed {seed}" if seed_is_int and abs(seed) < 10**9 else f"seed {json.dumps(seed)[:20]}, {_json_kind(seed)}"
         raise MergeRefused(f"{said} is recorded as ({str(raw.get('row'))[:30]}, {str(raw.get('column'))[:30]}, "
-                           f"{told}), the table has it as ({cell.row}, {cell.column}, seed {cell.seed})")
+                           f"{told}), the table has it as ({cell.row}, {cell.column}, seed {cell.seed})",
+                           hint="a cell's row, column and seed are the ones its key names (-s0: the integer 0); "
+                                "merge the table.json a `bench paper` run wrote, as it wrote it")
     if raw.get("metric", cell.metric) != cell.metric:
         raise MergeRefused(f"{said} reports its {str(raw.get('metric'))[:20]} accuracy, the table its {cell.metric} one")
     kept = {k: raw.get(k) for k in ("run", "compute_device", "wall_time_s", "machine", "commit", "config")}
     for key, kind in (("run", str), ("compute_device", str), ("commit", str), ("machine", dict), ("config", dict)):
         if kept[key] is not None and not isinstance(kept[key], kind):
             raise MergeRefused(f"{said}'s {key} is {_json_kind(kept[key])}, not {'a string' if kind is str else 'a table'}")
+    for key in ("machine", "config"):
+        if kept[key] is not None and _nested_deeper(kept[key], MERGE_MAX_DEPTH):
+            raise MergeRefused(f"{said}'s {key} nests deeper than {MERGE_MAX_DEPTH} levels: not one a run recorded",
+                               hint="merge the table.json a `bench paper` run wrote, as it wrote it")
     for key in ("run", "compute_device", "commit"):
         if kept[key] is not None:
             kept[key] = printable(kept[key], 300)
@@ -410,7 +427,8 @@ def _read_table_json(path: Path) -> dict[str, Any]:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:120]
         raise MergeRefused(f"{path} cannot be read as a table.json ({why})", hint=what) from None
     if not isinstance(held, dict) or not isinstance(held.get("cells"), list):
-        raise MergeRefused(f"{path} is not a table.json (no list of cells)", hint=what)
+        shape = "a table with no list of cells" if isinstance(held, dict) else _json_kind(held)
+        raise MergeRefused(f"{path} is not a table.json ({shape}, where a table.json is a table with a list of cells)", hint=what)
     return held
 
 
@@ -420,27 +438,35 @@ def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str, overrid
         theirs = ("no table and scale" if held.get("table") is None and held.get("scale") is None else
                   f"the {printable(held.get('table'), 40)} table at --scale {printable(held.get('scale'), 20)}")
         raise MergeRefused(f"{path} holds {theirs}, not {name} at --scale {scale}")
-    if held.get("overrides") != overrides:
+    theirs_set = held.get("overrides")
+    if not (isinstance(theirs_set, list) and len(theirs_set) <= 64 and all(isinstance(o, str) for o in theirs_set)):
+        raise MergeRefused(f"{path}'s overrides are {_json_kind(theirs_set)}, not the list of --set strings a table.json records")
+    if theirs_set != overrides:
         raise MergeRefused(f"{path}'s cells ran with --set {printable(held.get('overrides'), 200)}, this command's with "
                            f"--set {overrides}: pass the same --set (a smoke run's cells are not the table's)")
 
 
 def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: list[Cell], device: str,
-                overrides: list[str], carried: Path | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """The finished cells of earlier sittings' table.json files (``--merge``), by cell key, and what
-    was said of them. A file of another table, scale or --set, a cell recorded with another config
-    than this command's, a malformed entry, or one cell given two different results is refused
-    (:class:`MergeRefused`); a cell of a seed not asked for is left out.
+                overrides: list[str], carried: Path | None = None
+                ) -> tuple[dict[str, dict[str, Any]], list[str], list[dict[str, Any]]]:
+    """The finished cells of earlier sittings' table.json files (``--merge``), by cell key, what
+    was said of them, and the held cells. A file of another table, scale or --set, a cell recorded
+    with another config than this command's, a malformed entry, or one cell given two different
+    results is refused (:class:`MergeRefused`); a cell of a seed not asked for is left out.
 
     ``carried``: the output folder's own table.json, whose cells merged in an earlier report are
     taken again (a report without ``--merge`` would otherwise drop them); its own cells are not
-    (their run directories are the record: one deleted to be run again is run again), and one
-    that does not fit this command is left alone, said in a note."""
+    (their run directories are the record: one deleted to be run again is run again). A merged
+    cell there that this command does not show (a seed not asked for, a config that no longer
+    fits) is returned as held, as it was recorded: the report keeps it in table.json's "held"
+    list, so that a later report asking for it shows it again (it is recorded nowhere else once
+    the sitting's own folder is gone)."""
     by_key = {c.key: c for c in cells}
     rows = {c.row for c in cells} | {r for r, _ in table.paper}
     prefixes = {c.key.rsplit("-s", 1)[0] for c in cells}
     merged: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
+    held_back: dict[str, dict[str, Any]] = {}  # (by cell key: one entry a cell)
     for path in [*paths, *([carried] if carried is not None and carried.is_file() and carried not in paths else [])]:
         own = path == carried
         try:
@@ -453,16 +479,25 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
         entries = held["cells"][:MERGE_MAX_CELLS]
         if len(held["cells"]) > MERGE_MAX_CELLS:  # (a table has dozens of cells: the rest are not read, and said so)
             notes.append(f"{path}: only its first {MERGE_MAX_CELLS:,} of {len(held['cells']):,} cells were read")
-        if own:
-            entries = [raw for raw in entries if isinstance(raw, dict) and raw.get("from")]
+        if own:  # (its merged cells, and those an earlier report held: its own cells' record is their run directory)
+            kept = held.get("held") if isinstance(held.get("held"), list) else []
+            entries = [raw for raw in [*entries, *kept[:MERGE_MAX_CELLS]] if isinstance(raw, dict) and raw.get("from")]
         if not entries:
             continue
+
+        def hold(raw: dict[str, Any]) -> None:
+            key = raw.get("cell")
+            if isinstance(key, str):
+                held_back.setdefault(key, raw)
+
         try:
             _check_fits(held, path, name, scale, overrides)
         except MergeRefused as exc:
             if not own:
                 raise
-            notes.append(f"the cells merged into {path} earlier are not carried: {exc.message}")
+            for raw in entries:
+                hold(raw)
+            notes.append(f"the cells merged into {path} earlier are not shown, and stay in its \"held\" list: {exc.message}")
             continue
         unasked, untold = 0, []
         for i, raw in enumerate(entries):
@@ -471,10 +506,13 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             except MergeRefused as exc:
                 if not own:
                     raise
-                notes.append(f"a cell merged earlier is not carried: {exc.message}")
+                hold(raw)
+                notes.append(f"a cell merged earlier is not shown, and stays in {path}'s \"held\" list: {exc.message}")
                 continue
             if entry is None:
                 unasked += 1
+                if own:
+                    hold(raw)
                 continue
             key = entry["cell"]
             if key in merged:
@@ -485,11 +523,12 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
                 untold.append(key)
             merged[key] = entry
         if unasked:
-            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out (--seeds takes them in)")
+            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out "
+                         + ("of this report, kept in its \"held\" list " if own else "") + "(--seeds takes them in)")
         if untold:
             notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): taken as "
                          f"this table's at commit(s) {', '.join(sorted({merged[k]['commit'] or 'unknown' for k in untold}))}")
-    return merged, notes
+    return merged, notes, [raw for key, raw in held_back.items() if key not in merged]
 
 
 def _two_results(key: str, first: dict[str, Any], second: dict[str, Any], path: Path, own: bool) -> MergeRefused:
@@ -499,9 +538,11 @@ def _two_results(key: str, first: dict[str, Any], second: dict[str, Any], path: 
         where = f"{second['accuracy']} merged earlier into {path}, {first['accuracy']} in {first['from']}"
         hint = f"keep one of the two: remove the cell from {first['from']}, or its entry from {path} to take the other"
     else:
-        where = (f"twice in {path}: {first['accuracy']} and {second['accuracy']}" if first["from"] == str(path) else
+        twice = first["from"] == str(path)
+        where = (f"twice in {path}: {first['accuracy']} and {second['accuracy']}" if twice else
                  f"{first['accuracy']} in {first['from']}, {second['accuracy']} in {path}")
-        hint = "keep one of the two (remove the cell from the other file, or the other entry from the file)"
+        hint = (f"keep one of the two: remove the other entry from {path}" if twice else
+                f"keep one of the two: remove the cell from {first['from']} or from {path}")
     return MergeRefused(f"{key} has two results, {where}", hint=hint)
 
 
@@ -749,9 +790,12 @@ def _commit() -> str:
 
 def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
            seeds: list[int] | None = None, report_only: bool = False,
-           merged: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+           merged: dict[str, dict[str, Any]] | None = None, held: list[dict[str, Any]] | None = None,
+           selected: set[str] | None = None) -> dict[str, Any]:
     """The table from the cells finished in ``out`` and, where ``out`` has none, in ``merged``
-    (earlier sittings' table.json files): printed beside the paper's, written to table.json/png."""
+    (earlier sittings' table.json files): printed beside the paper's, written to table.json/png.
+    ``held``: merged cells this report does not show, kept in table.json as they were
+    (:func:`load_merged`); ``selected``: the cells ``--cells`` ran, when it was given."""
     merged = merged or {}
     got: dict[tuple[str, str], list[float]] = {}
     asked: dict[tuple[str, str], int] = {}
@@ -828,14 +872,18 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
         print(f"not counted: {len(otherwise)} cell(s) ran with another config than asked: "
               + "; ".join(f"{key} ({why})" for key, why in list(otherwise.items())[:3]) + " (pass the --set they ran with)")
     if missing or partial:
+        unselected = selected is not None and any(k not in selected for k in [*missing, *(p["cell"] for v in partial.values() for p in v)])
         goes_on = ("the same command without --report-only goes on" + (", once the cells not counted are moved away" if otherwise else "")
-                   if report_only else "the same command goes on")
+                   if report_only else "--cells left some out: the same command without --cells goes on" if unselected
+                   else "the same command goes on")
         print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way ({goes_on})")
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
                "missing": missing, "partial": [p for v in partial.values() for p in v],
                "device": device, "compute_devices": sorted({str(d["compute_device"]) for d in done if d.get("compute_device")}),
                "overrides": overrides, "rows": lines, "cells": done, "not_counted": otherwise,
+               # merged earlier, not shown here (a seed not asked for, a config that no longer fits): kept for a later report
+               "held": held or [],
                "merged_from": sorted({d["from"] for d in done if d.get("from")}),
                # the code each cell ran (cells filled over several sittings may differ) and this report's
                "cell_commits": sorted({str(d["commit"]) for d in done if d.get("commit")}), "commit": _commit(), "machine": machine(),
@@ -980,7 +1028,9 @@ def main() -> None:
                     help="; ".join(f"{k}: {v}" for k, v in SCALES.items()) + " (default: cpu)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (CHFL's paper uses five: 0,1,2,3,4)")
-    ap.add_argument("--out", type=Path, default=None, help="default bench/results/paper/<table>-<scale>")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the table's folder (default bench/results/paper/<table>-<scale> in the checkout; through ./dev.sh a "
+                         "relative --out or --merge is taken from the folder you ran it in)")
     ap.add_argument("--cells", default=None, help="run only these cells (keys as listed by --list); the report still covers "
                                                    "every cell of the seeds, those not run shown as such")
     ap.add_argument("--report-only", action="store_true", help="no training: the table from the cells done so far")
@@ -1042,10 +1092,11 @@ def main() -> None:
     if args.merge and args.probe is not None:
         ap.error("--probe times cells and --merge counts finished ones: give one of them")
     try:
-        merged, merge_notes = load_merged(args.merge, args.table, table, args.scale, every_cell, args.device, args.overrides,
-                                          carried=out / "table.json")
-    except MergeRefused as exc:
-        ap.error(f"--merge: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
+        merged, merge_notes, held = load_merged(args.merge, args.table, table, args.scale, every_cell, args.device,
+                                                args.overrides, carried=out / "table.json")
+    except MergeRefused as exc:  # (a damaged table.json of --out's own is refused here too, --merge given or not)
+        flag = "--out" if exc.message.startswith("this folder's own") else "--merge"
+        ap.error(f"{flag}: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
     for line in merge_notes:
         print(f"merged cells: {line}", flush=True)
     if not args.report_only:
@@ -1076,11 +1127,13 @@ def main() -> None:
             code, stopped = run_cell(cell, out, args.device, args.overrides, siblings)
             if stopped or code == 130:
                 print(_stopped_line(cell, out, code), flush=True)
-                report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, merged=merged)
+                report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, merged=merged,
+                       held=held, selected={c.key for c in cells} if args.cells is not None else None)
                 raise SystemExit(130)
             if code != 0:
                 failed.append((cell.key, code))
-    report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, args.report_only, merged)
+    report(args.table, table, every_cell, out, args.scale, args.device, args.overrides, seeds, args.report_only, merged, held,
+           {c.key for c in cells} if args.cells is not None else None)
     if failed:
         raise SystemExit(f"cells that failed: {', '.join(f'{k} (exit {c})' for k, c in failed)}; their run directories say why")
 

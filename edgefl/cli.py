@@ -1051,16 +1051,16 @@ def assign(
     group: Annotated[Optional[int], typer.Option(help="with --config: the fleet group (0-based) to judge; default: the first "
                                                       "group with a profile, else 0")] = None,
     method: Annotated[Optional[str], typer.Option(help="the method the device joins (fedmho allows generator clients) "
-                                                       "[default: fedavg, or the config's]")] = None,
-    deadline: Annotated[Optional[float], typer.Option(help="round deadline, seconds [default: 60, or the config's clock.deadline_s]")] = None,
-    headroom: Annotated[Optional[float], typer.Option(help="share of the training budget a round may use [default: 0.8, or the "
+                                                       "\\[default: fedavg, or the config's]")] = None,
+    deadline: Annotated[Optional[float], typer.Option(help="round deadline, seconds \\[default: 60, or the config's clock.deadline_s]")] = None,
+    headroom: Annotated[Optional[float], typer.Option(help="share of the training budget a round may use \\[default: 0.8, or the "
                                                            "config's clock.headroom]")] = None,
-    samples: Annotated[Optional[int], typer.Option(help="training samples per round [default: 600, or the group's share of the "
+    samples: Annotated[Optional[int], typer.Option(help="training samples per round \\[default: 600, or the group's share of the "
                                                         "data set, x epochs, capped by train.max_steps]")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help="local epochs per round [default: 1]")] = None,
-    batch: Annotated[Optional[int], typer.Option(help="batch size [default: 32, or the group's train.batch_size]")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="local epochs per round \\[default: 1]")] = None,
+    batch: Annotated[Optional[int], typer.Option(help="batch size \\[default: 32, or the group's train.batch_size]")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="adam | momentum | sgd (optimizer state: 8 / 4 / 0 bytes per parameter) "
-                                                          "[default: adam, or the group's]")] = None,
+                                                          "\\[default: adam, or the group's]")] = None,
     models_: Annotated[str, typer.Option("--models", help="candidates (default: the config's clock.candidates, else the zoo "
                                                           "ladder), e.g. vgg9,cvae-small")] = "",
     data_dir: DataDir = None,
@@ -1165,7 +1165,7 @@ def _option_list(model) -> str:
 
 @app.command()
 def methods() -> None:
-    """List the methods a run's [method] name can be, with what they send and their options (plug-ins included)."""
+    """List the methods a run's \\[method] name can be, with what they send and their options (plug-ins included)."""
     from rich.markup import escape
 
     from edgefl.methods import METHODS
@@ -1190,7 +1190,7 @@ def methods() -> None:
 
 @app.command()
 def filters() -> None:
-    """List the filters a run's [[filters]] can name, with their options (docs/filters.md)."""
+    """List the filters a run's \\[\\[filters]] can name, with their options (docs/filters.md)."""
     from edgefl.filters import FILTERS
 
     from rich.markup import escape

@@ -253,3 +253,24 @@ def test_a_run_whose_devices_judge_on_their_own_shares_says_so_in_its_data_line(
     res = CliRunner().invoke(app, ["simulate", str(example), "--set", "rounds=1", "--out", str(tmp_path / "run"), "--quiet"])
     assert res.exit_code == 0, res.output
     assert "569 samples pooled, each device keeping 25% of its share to judge on" in res.output and "/ 0 test" not in res.output
+
+
+def test_every_help_text_shows_its_square_brackets():
+    # an outside trial's: typer reads help as rich markup, and "[method]", "[[filters]]" and
+    # "[default: 32, ...]" vanished from --help (a bracket meant as text is escaped: "\[")
+    import typer
+    from rich.text import Text
+
+    from edgefl.cli import app
+
+    lost = []
+
+    def walk(command, path: str) -> None:
+        for text in [command.help or "", *(getattr(p, "help", None) or "" for p in command.params)]:
+            if "[" in text and Text.from_markup(text).plain != text.replace("\\[", "["):
+                lost.append(f"{path}: {text[:80]}")
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "edgefl")
+    assert not lost, lost

@@ -56,6 +56,7 @@ def test_a_table_runs_its_cells_skips_the_finished_ones_and_records_the_paper_be
     assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-2000:]
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert again.returncode == 0 and again.stdout.count("finished earlier") == 2, again.stdout + again.stderr[-3000:]
+    assert "--cells left some out: the same command without --cells goes on" in again.stdout  # (it said "the same command")
     table = json.loads((out / "table.json").read_text())
     row = {(ln["row"], ln["column"]): ln for ln in table["rows"]}
     assert row[("CHFL", "iid")]["paper"] == 89.88 and 0 < row[("CHFL", "iid")]["ours_mean"] <= 100
@@ -294,6 +295,12 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     with pytest.raises(paper.MergeRefused, match="nested too deeply"):
         paper._read_table_json(tmp_path / "deep.json")
     assert "not a fraction in [0, 1]" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 10**4000}}]})
+    deep: dict = {}  # an outside trial's: 700 levels pass the JSON reader and stopped the config comparison's recursion
+    for _ in range(700):
+        deep = {"x": deep}
+    assert "config nests deeper than 16 levels" in refused({**earlier, "cells": [{**cell, "config": {"train": deep}}]})
+    assert "overrides are a table, not the list of --set strings" in refused({**earlier, "overrides": {"a": 1}})
+    assert "a list, where a table.json is a table" in refused(["not", "a", "table"])
     assert "wall_time_s is" in refused({**earlier, "cells": [{**cell, "wall_time_s": 10**4000}]})
     import os
     os.mkfifo(tmp_path / "fifo.json")
@@ -333,7 +340,25 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     (fresh / "table.json").write_text(json.dumps(kept))
     moved = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert moved.returncode == 0 and "is not carried" in moved.stdout and "method.name: 'fedavg' there" in moved.stdout, moved.stderr
+    assert moved.returncode == 0 and "is not shown, and stays in" in moved.stdout and "method.name: 'fedavg' there" in moved.stdout, moved.stderr
+    # ... and stays in the folder's table.json, held (it was dropped from it: recorded nowhere else)
+    assert [c["cell"] for c in json.loads((fresh / "table.json").read_text())["held"]] == ["chfl-iid-s0"]
+    # an outside trial's: a merged cell of a seed a later report does not ask for was dropped from table.json
+    seven = {**cell, "cell": "chfl-iid-s7", "seed": 7, "config": {**cell["config"], "seed": 7}}
+    (tmp_path / "seven.json").write_text(json.dumps({**earlier, "cells": [seven]}))
+    sevens = tmp_path / "sevens"
+
+    def report_of(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, script, "chfl", "--out", str(sevens), "--report-only", *smoke, *extra],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    assert report_of("--seeds", "0,7", "--merge", str(tmp_path / "seven.json")).returncode == 0
+    without = report_of()
+    assert without.returncode == 0 and 'kept in its "held" list (--seeds takes them in)' in without.stdout, without.stdout[-2000:]
+    assert [c["cell"] for c in json.loads((sevens / "table.json").read_text())["held"]] == ["chfl-iid-s7"]
+    back = report_of("--seeds", "0,7")
+    shown = json.loads((sevens / "table.json").read_text())
+    assert back.returncode == 0 and [c["cell"] for c in shown["cells"]] == ["chfl-iid-s7"] and shown["held"] == [], back.stdout[-2000:]
     # the folder's own table.json damaged: refused, not written anew without its merged cells
     made = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, *merge],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -343,6 +368,7 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     lost = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert lost.returncode == 2 and "this folder's own" in lost.stderr and (fresh / "table.json").read_bytes() == damaged, lost.stderr
+    assert "error: --out: this folder's own" in lost.stderr  # (no --merge was given: it said "--merge:")
     # a later --merge with another result for a cell the folder holds: refused, as two files are
     (fresh / "table.json").write_text(json.dumps(earlier | {"cells": [{**cell, "from": "x.json"}]}))
     other = tmp_path / "other.json"
