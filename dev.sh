@@ -2,8 +2,8 @@
 # Sets up everything edgefl needs on a fresh machine, then runs one job:
 #   ./dev.sh demo [edgefl simulate options]   the main job on its embedded defaults
 #   ./dev.sh test [pytest options]            lint (ruff) and the test suite (what .ci/run calls)
-#   ./dev.sh bench NAME [options]             a benchmark from bench/, run in the checkout (bench paper's
-#                                             --out and --merge are relative to the folder you are in)
+#   ./dev.sh bench NAME [options]             a benchmark from bench/, run in the checkout (a relative path
+#                                             you give it, --out, --merge, --authors-dir, is from your folder)
 #   ./dev.sh edgefl ARGS...                   any edgefl command inside the environment, run in the
 #                                             folder you are in (its relative paths are yours)
 #   ./dev.sh arm-device [bench options]       an emulated 64-bit ARM device (Debian arm64 root file system
@@ -142,7 +142,7 @@ case "$job" in
         apt_install dataset-fashion-mnist mosquitto
         setup_venv
         name=${1:?usage: ./dev.sh bench NAME [options]}; shift
-        export EDGEFL_CALLER_DIR=$CALLER_DIR  # (bench/paper.py reads its --out and --merge from there)
+        export EDGEFL_CALLER_DIR=$CALLER_DIR  # (a benchmark takes a relative path you give from there: bench/common.py users_path)
         exec "$VENV/bin/python" "bench/$name.py" "$@"
         ;;
     edgefl)

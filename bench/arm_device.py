@@ -41,7 +41,7 @@ from typing import Any
 
 import psutil
 import tomli_w
-from common import save
+from common import save, users_path
 
 from edgefl.fleet.broker import start_mosquitto
 from edgefl.profile.schema import load_profile
@@ -298,7 +298,7 @@ def mib(v: int | None) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", type=Path, required=True, help="the arm64 root file system (./dev.sh arm-device builds it)")
+    ap.add_argument("--root", type=users_path, required=True, help="the arm64 root file system (./dev.sh arm-device builds it)")
     ap.add_argument("--profile", default="pi-zero-2w", help="device class whose RAM caps the ARM device")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10, help="training steps per device per round")

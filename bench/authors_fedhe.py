@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import accuracy_logger, checkout_problem, load, save
+from common import accuracy_logger, checkout_problem, load, save, users_path
 
 from edgefl.build import build_run
 from edgefl.config import preset_text, validate_config
@@ -331,7 +331,7 @@ def run_authors(args, ds, parts_by_model: dict[int, np.ndarray], test_idx: np.nd
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/ChanYunHin/FedHe (not needed with --no-authors)")
+    p.add_argument("--authors-dir", type=users_path, help="a checkout of github.com/ChanYunHin/FedHe (not needed with --no-authors)")
     p.add_argument("--iterations", type=int, default=501, help="server updates = client trainings (authors: --epoch); "
                                                                 "100k+1 ends on one of their evaluations")
     p.add_argument("--seed", type=int, default=0)

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import checkout_problem, load, save
+from common import checkout_problem, load, save, users_path
 from fedmho_table4 import _average_accuracy, fit, fuse
 from torch import nn
 
@@ -374,7 +374,7 @@ AUTHORS_FILES = ("parameters.py", "pcode/aggregation/fedavg.py", "pcode/aggregat
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/YXShi2000/FedMHO")
+    p.add_argument("--authors-dir", type=users_path, help="a checkout of github.com/YXShi2000/FedMHO")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration of edgefl's split (both sides)")
     p.add_argument("--width", type=float, default=0.25, help="VGG-9 width on both sides (paper: 1, 69 M parameters)")

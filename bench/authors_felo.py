@@ -87,7 +87,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import RESULTS, accuracy_logger, load, plot_curves, save
+from common import RESULTS, accuracy_logger, load, plot_curves, save, users_path
 from common import checkout_problem as common_checkout_problem
 
 from edgefl.build import build_run
@@ -442,7 +442,7 @@ def plot(payload: dict, out: Path) -> Path:
 def main() -> None:
     summary, _, details = __doc__.partition("\n\n")  # what it does first; how, after the options
     p = argparse.ArgumentParser(description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--authors-dir", type=Path, help="a checkout of github.com/ChanYunHin/Felo_Velo (measured at 33eaa18)")
+    p.add_argument("--authors-dir", type=users_path, help="a checkout of github.com/ChanYunHin/Felo_Velo (measured at 33eaa18)")
     p.add_argument("--iterations", type=int, default=200, help="server iterations (edgefl rounds); even, at least 100 "
                                                                "(their loop divides by 1 %% of it)")
     p.add_argument("--seed", type=int, default=0)
@@ -465,8 +465,8 @@ def main() -> None:
                         "feature (their code)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--tag", default="", help="names the result: bench/results/authors_felo-TAG.json")
-    p.add_argument("--plot-dir", type=Path, default=None, help="also draw the accuracy curves there")
-    p.add_argument("--replot", type=Path, default=None, help="draw the curves of a saved result (no runs)")
+    p.add_argument("--plot-dir", type=users_path, default=None, help="also draw the accuracy curves there")
+    p.add_argument("--replot", type=users_path, default=None, help="draw the curves of a saved result (no runs)")
     p.add_argument("--resume", action="store_true", help="keep the runs an earlier sitting of the same setting and --tag "
                                                          "finished (bench/results/authors_felo-TAG.json), run the rest")
     args = p.parse_args()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -19,6 +20,13 @@ from edgefl.environment import machine, package_versions, source_commit
 from edgefl.sim import Simulation
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def users_path(path: str | Path) -> Path:
+    """A path the user gave on the command line (also an argparse ``type``): ./dev.sh runs a benchmark
+    in the checkout, so a relative one is taken from the folder they ran it in (EDGEFL_CALLER_DIR)."""
+    path, caller = Path(path), os.environ.get("EDGEFL_CALLER_DIR")
+    return Path(caller) / path if caller and not path.is_absolute() else path
 
 
 def run_config(raw: dict[str, Any], dataset=None) -> dict[str, Any]:

@@ -25,11 +25,10 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from common import save
+from common import save, users_path
 
 from edgefl.models import get_spec
 from edgefl.profile.cost import fit_step_model, forward_stats, freeze, relative_nnls
@@ -85,7 +84,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--from-results", type=Path, default=None, help="re-evaluate the measurements of an earlier run")
+    ap.add_argument("--from-results", type=users_path, default=None, help="re-evaluate the measurements of an earlier run")
     ap.add_argument("--calibrate-on", nargs="+", default=DEFAULT_MODELS,
                     help="models whose measurements fit the host terms (default: edgefl device-profile's default set)")
     args = ap.parse_args()

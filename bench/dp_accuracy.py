@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, load, run_config, save, save_figure
+from common import RESULTS, load, run_config, save, save_figure, users_path
 
 from edgefl.filters.dp import DPFedAvg
 from edgefl.filters.local_dp import LocalDP
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--test-samples", type=int, default=2000)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
-    ap.add_argument("--plot", type=Path, default=RESULTS / "dp_accuracy.png", help="where the accuracy-vs-epsilon figure goes")
+    ap.add_argument("--plot", type=users_path, default=RESULTS / "dp_accuracy.png", help="where the accuracy-vs-epsilon figure goes")
     ap.add_argument("--tag", default="", help="suffix of the results file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads or 1)

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import load, plot_curves, run_config, save
+from common import load, plot_curves, run_config, save, users_path
 
 DEPTHS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
 
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--tag", default="all")
     ap.add_argument("--merge", nargs="+", default=None, help="result files to merge into one table (no training)")
     ap.add_argument("--targets", type=float, nargs="+", default=[0.75, 0.80])
-    ap.add_argument("--plot-dir", type=Path, default=None)
+    ap.add_argument("--plot-dir", type=users_path, default=None)
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.targets, args.plot_dir)

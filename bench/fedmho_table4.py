@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from common import load, save
+from common import load, save, users_path
 
 from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import validate_config
@@ -315,8 +315,8 @@ def main() -> None:
     p.add_argument("--synthetic", type=int, default=6000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tag", default="all")
-    p.add_argument("--plot-dir", type=Path, default=Path("docs/img"))
-    p.add_argument("--merge", nargs="+", type=Path, help="merge earlier result files instead of running")
+    p.add_argument("--plot-dir", type=users_path, default=Path("docs/img"))
+    p.add_argument("--merge", nargs="+", type=users_path, help="merge earlier result files instead of running")
     args = p.parse_args()
     for name, scaled, paper in (("width", 0.5, 1.0), ("vgg_epochs", 10, 200), ("vgg_lr", 5e-3, 1e-3)):
         if getattr(args, name) is None:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import load, mean_std, plot_curves, run_config, save
+from common import load, mean_std, plot_curves, run_config, save, users_path
 
 DEPTHS = {"set1": ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26"),
           "extreme": ("resnet10", "resnet18", "resnet26", "resnet34", "resnet50"),
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tag", default="all")
     ap.add_argument("--merge", nargs="+", default=None)
-    ap.add_argument("--plot-dir", type=Path, default=None)
+    ap.add_argument("--plot-dir", type=users_path, default=None)
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.plot_dir)

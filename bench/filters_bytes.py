@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, load, run_config, save, save_figure
+from common import RESULTS, load, run_config, save, save_figure, users_path
 
 from edgefl.config import validate_config
 from edgefl.errors import ConfigError
@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--test-samples", type=int, default=2000)
     ap.add_argument("--topk", type=float, default=0.01, help="topk fraction")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
-    ap.add_argument("--plot", type=Path, default=RESULTS / "filters_bytes.png", help="where the accuracy-vs-bytes figure goes")
+    ap.add_argument("--plot", type=users_path, default=RESULTS / "filters_bytes.png", help="where the accuracy-vs-bytes figure goes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads or 1)
     print(f"settings: {args.clients} devices, {args.samples} training images each (Dirichlet 0.5), FedAvg {args.rounds} rounds "

@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # shared environment's editable install of another checkout), so table.json's commit is theirs
 sys.path.insert(0, str(ROOT))
 
-from common import RESULTS, save_figure  # noqa: E402
+from common import RESULTS, save_figure, users_path  # noqa: E402
 
 from edgefl.config import apply_overrides  # noqa: E402
 from edgefl.configtools import config_differences  # noqa: E402
@@ -1028,7 +1028,7 @@ def main() -> None:
                     help="; ".join(f"{k}: {v}" for k, v in SCALES.items()) + " (default: cpu)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (CHFL's paper uses five: 0,1,2,3,4)")
-    ap.add_argument("--out", type=Path, default=None,
+    ap.add_argument("--out", type=users_path, default=None,
                     help="the table's folder (default bench/results/paper/<table>-<scale> in the checkout; through ./dev.sh a "
                          "relative --out or --merge is taken from the folder you ran it in)")
     ap.add_argument("--cells", default=None, help="run only these cells (keys as listed by --list); the report still covers "
@@ -1040,15 +1040,11 @@ def main() -> None:
     ap.add_argument("--probe", type=float, default=None, metavar="SECONDS",
                     help="no table: run each cell SECONDS, then estimate from its round times how long the table takes "
                          "here (writes OUT/probe.json; for planning a lent GPU's minutes)")
-    ap.add_argument("--merge", type=Path, action="append", default=[], metavar="TABLE_JSON",
+    ap.add_argument("--merge", type=users_path, action="append", default=[], metavar="TABLE_JSON",
                     help="count the finished cells of an earlier sitting's table.json (another machine's, a GPU's, a "
                          "session whose run directories are gone): they are not run again; each is checked against "
                          "this command's config. Repeatable")
     args = ap.parse_args()
-    caller = os.environ.get("EDGEFL_CALLER_DIR")
-    if caller:  # ./dev.sh runs a benchmark in the checkout: the paths a user gave are relative to where they are
-        args.out = Path(caller) / args.out if args.out is not None and not args.out.is_absolute() else args.out
-        args.merge = [m if m.is_absolute() else Path(caller) / m for m in args.merge]
     seeds = _seeds(args.seeds, ap)
     given = [flag for flag, on in (("--merge", args.merge), ("--report-only", args.report_only), ("--cells", args.cells is not None),
                                    ("--probe", args.probe is not None), ("--set", args.overrides), ("--out", args.out)) if on]

@@ -78,7 +78,8 @@ def pytorch_step(net, shape, steps: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--out", default="bench/results/phone_train_step.json")
+    p.add_argument("--out", type=str, default=None, help="default bench/results/phone_train_step.json in the checkout; a "
+                   "relative path through ./dev.sh is taken from the folder you ran it in")
     p.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
@@ -124,8 +125,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"executorch": version("executorch"), "torch": torch.__version__, "threads": 1, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    from common import RESULTS, users_path  # (here: the --measure child keeps edgefl's imports out of its memory)
+
+    written = users_path(args.out) if args.out is not None else RESULTS / "phone_train_step.json"
+    written.parent.mkdir(parents=True, exist_ok=True)
+    written.write_text(json.dumps(result, indent=1))
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 import tomli_w
-from common import save
+from common import save, users_path
 
 from edgefl.fleet.broker import start_mosquitto
 from edgefl.fleet.swarm import raise_open_files
@@ -252,8 +252,8 @@ def main() -> None:
                                                                 "presence is not replayed to wildcard subscriptions: RabbitMQ)")
     p.add_argument("--bridge", action="store_true", help="devices on a second mosquitto bridged to the server's")
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--profile-server", type=Path, help="run the server under cProfile, writing its statistics here")
-    p.add_argument("--keep", type=Path, help="keep logs, configs, run directories and load-generator stats in this folder")
+    p.add_argument("--profile-server", type=users_path, help="run the server under cProfile, writing its statistics here")
+    p.add_argument("--keep", type=users_path, help="keep logs, configs, run directories and load-generator stats in this folder")
     p.add_argument("--tag", default="", help="names the results file (scale-TAG.json)")
     args = p.parse_args()
     raise_open_files(max(args.devices) * 2 + 1024)  # mosquitto and the load generators inherit it

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from common import save
+from common import save, users_path
 from scale import EDGEFL, PeakMemory, scale_config, start_server
 
 from edgefl.fleet.broker import start_mosquitto
@@ -228,7 +228,7 @@ def main() -> None:
                                                                                      "(the order alternates from one count to the next)")
     p.add_argument("--processes", type=int, default=2, help="load-generator processes at most (one per 100 devices)")
     p.add_argument("--timeout", type=float, default=1200.0)
-    p.add_argument("--keep", type=Path, help="keep logs, configs, run directories and stats in this folder")
+    p.add_argument("--keep", type=users_path, help="keep logs, configs, run directories and stats in this folder")
     p.add_argument("--tag", default="", help="names the results file (secagg_cost-TAG.json)")
     args = p.parse_args()
     raise_open_files(max(args.devices) * 2 + 1024)

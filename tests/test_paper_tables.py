@@ -117,6 +117,24 @@ def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+def test_every_benchmarks_relative_path_is_the_callers_through_dev_sh(monkeypatch, tmp_path):
+    # an --authors-dir or --out given to ./dev.sh bench was taken from the checkout, where dev.sh cds
+    import re
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from common import users_path
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    monkeypatch.setenv("EDGEFL_CALLER_DIR", str(tmp_path))
+    assert users_path("FedMHO") == tmp_path / "FedMHO" and users_path("/abs/x") == Path("/abs/x")
+    monkeypatch.delenv("EDGEFL_CALLER_DIR")
+    assert users_path("FedMHO") == Path("FedMHO")  # run as python bench/X.py: the working folder's, as any program's
+    for script in sorted((ROOT / "bench").glob("*.py")):  # a path option of a benchmark is read by users_path
+        plain = re.findall(r'add_argument\("(--[a-z-]+)", type=Path\b', script.read_text())
+        assert not plain, f"{script.name}: {plain} would be taken from the checkout through ./dev.sh (type=users_path)"
+
+
 def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table(tmp_path):
     out = tmp_path / "chfl"
     # a cell that cannot finish in the probe (many rounds) and one that does (three rounds): both estimated
