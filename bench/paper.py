@@ -488,7 +488,7 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
 
         def hold(raw: dict[str, Any]) -> None:
             key = raw.get("cell")
-            if isinstance(key, str):
+            if isinstance(key, str) and not _nested_deeper(raw, MERGE_MAX_DEPTH + 2):  # (one nested deeper is no run's record)
                 held_back.setdefault(key, raw)
 
         try:
