@@ -250,7 +250,8 @@ TABLES: dict[str, Table] = {
         "Fashion-MNIST, IID and Dirichlet(0.5); FedAvg with the same layer-wise aggregation, no IN, no prox",
         {("FedIN", "iid"): 91.2, ("FedIN", "dirichlet"): 90.3, ("FedAvg", "iid"): 90.3, ("FedAvg", "dirichlet"): 89.4},
         "paper Table 1, Fashion-MNIST", _fedin, ["iid", "dirichlet"],
-        {"cpu": "1.5-3.2 min a cell, 4 cells a seed, on a 2-core CPU", "paper": "about 30 h a seed on an H200 (estimated from a probe)"}),
+        {"cpu": "1.3-3.6 min a cell (FedIN about 3, FedAvg 1.4), 4 cells a seed, on a 2-core CPU",
+         "paper": "about 30 h a seed on an H200 (estimated from a probe)"}),
     "felo-velo": Table(
         "Felo and Velo (paper 000) against FedAvg-groups: 20 devices, five ResNet depths, 20 % a round",
         "Fashion-MNIST here; the paper's rows are CIFAR-10 (not on this machine)",
