@@ -139,9 +139,15 @@ case "$job" in
         exec "$VENV/bin/python" -m pytest -n "$workers" --durations=25 "$@"
         ;;
     bench)
+        name=${1:?usage: ./dev.sh bench NAME [options] (NAME: a script in bench/, e.g. paper)}; shift
+        if [[ ! -f "bench/$name.py" || $name == -* ]]; then  # (--help or a typo: python would say "can't open file")
+            [[ $name == -h || $name == --help ]] || echo "no benchmark '$name' in bench/" >&2
+            echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(cd bench && ls *.py | sed 's/\.py$//' | grep -vx common) >&2
+            echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)" >&2
+            [[ $name == -h || $name == --help ]] && exit 0 || exit 2
+        fi
         apt_install dataset-fashion-mnist mosquitto
         setup_venv
-        name=${1:?usage: ./dev.sh bench NAME [options]}; shift
         export EDGEFL_CALLER_DIR=$CALLER_DIR  # (a benchmark takes a relative path you give from there: bench/common.py users_path)
         exec "$VENV/bin/python" "bench/$name.py" "$@"
         ;;

@@ -87,7 +87,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import RESULTS, accuracy_logger, load, plot_curves, save, users_path
+from common import RESULTS, accuracy_logger, load, plot_curves, save, users_file, users_path
 from common import checkout_problem as common_checkout_problem
 
 from edgefl.build import build_run
@@ -466,14 +466,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--tag", default="", help="names the result: bench/results/authors_felo-TAG.json")
     p.add_argument("--plot-dir", type=users_path, default=None, help="also draw the accuracy curves there")
-    p.add_argument("--replot", type=users_path, default=None, help="draw the curves of a saved result (no runs)")
+    p.add_argument("--replot", type=users_file, default=None, help="draw the curves of a saved result (no runs)")
     p.add_argument("--resume", action="store_true", help="keep the runs an earlier sitting of the same setting and --tag "
                                                          "finished (bench/results/authors_felo-TAG.json), run the rest")
     args = p.parse_args()
     if args.replot:
         import json
 
-        out = plot(json.loads(args.replot.read_text()), (args.plot_dir or Path("bench/results")) / (args.replot.stem + ".png"))
+        try:
+            out = plot(json.loads(args.replot.read_text()), (args.plot_dir or Path("bench/results")) / (args.replot.stem + ".png"))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # (not a results file of this benchmark)
+            raise SystemExit(f"{args.replot} is not a result authors_felo wrote ({type(exc).__name__}: {str(exc)[:80]})") from None
         print(f"drew {out}")
         return
     sides = {s for s in args.sides.split(",") if s}

@@ -29,6 +29,28 @@ def users_path(path: str | Path) -> Path:
     return Path(caller) / path if caller and not path.is_absolute() else path
 
 
+def users_file(path: str | Path) -> Path:
+    """An argparse ``type`` for a file the user names (a results file to merge or re-read): taken as
+    :func:`users_path` does, and said plainly when it is not there (a traceback was)."""
+    import argparse
+
+    found = users_path(path)
+    if not found.is_file():
+        raise argparse.ArgumentTypeError(f"{found} is not a file (a relative path is taken from the folder you ran in)")
+    return found
+
+
+def read_results(path: Path, key: str) -> list[Any]:
+    """The ``key`` list of a benchmark's results file, or an exit that says the file is not one."""
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SystemExit(f"{path} cannot be read as a results file: {str(exc)[:120]}") from None
+    if not isinstance(held, dict) or not isinstance(held.get(key), list):
+        raise SystemExit(f"{path} is not this benchmark's results file (no {key!r} list): give a file it wrote in bench/results/")
+    return held[key]
+
+
 def run_config(raw: dict[str, Any], dataset=None) -> dict[str, Any]:
     cfg = validate_config(raw, "benchmark config")
     sim = Simulation(cfg, None, dataset=dataset, show_progress=False)

@@ -22,13 +22,12 @@ within 25 % for both.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
-from common import save, users_path
+from common import read_results, save, users_file
 
 from edgefl.models import get_spec
 from edgefl.profile.cost import fit_step_model, forward_stats, freeze, relative_nnls
@@ -84,12 +83,12 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--from-results", type=users_path, default=None, help="re-evaluate the measurements of an earlier run")
+    ap.add_argument("--from-results", type=users_file, default=None, help="re-evaluate the measurements of an earlier run")
     ap.add_argument("--calibrate-on", nargs="+", default=DEFAULT_MODELS,
                     help="models whose measurements fit the host terms (default: edgefl device-profile's default set)")
     args = ap.parse_args()
     if args.from_results:
-        rows = json.loads(args.from_results.read_text())["rows"]
+        rows = read_results(args.from_results, "rows")
     else:
         rows = measure(args)
     for r in rows:  # the model statistics come from the current cost model (the measurements stay)

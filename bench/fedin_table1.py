@@ -32,12 +32,11 @@ Run variants in two single-threaded processes to use both cores, then merge::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
-from common import load, plot_curves, run_config, save, users_path
+from common import load, plot_curves, read_results, run_config, save, users_file, users_path
 
 DEPTHS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
 
@@ -100,7 +99,7 @@ def run(args) -> None:
 
 
 def merge(paths: list[str], targets: list[float], plot_dir: Path | None) -> None:
-    runs = [r for p in paths for r in json.loads(Path(p).read_text())["runs"]]
+    runs = [r for p in paths for r in read_results(Path(p), "runs")]
     variants = list(dict.fromkeys(r["variant"] for r in runs))
     partitions = list(dict.fromkeys(r["partition"] for r in runs))
     head = f"{'variant':17s} {'partition':9s} {'final':>7s} {'best':>7s} " + " ".join(f"{'to ' + format(t, '.0%'):>7s}" for t in targets)
@@ -144,7 +143,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tag", default="all")
-    ap.add_argument("--merge", nargs="+", default=None, help="result files to merge into one table (no training)")
+    ap.add_argument("--merge", nargs="+", type=users_file, default=None, help="result files to merge into one table (no training)")
     ap.add_argument("--targets", type=float, nargs="+", default=[0.75, 0.80])
     ap.add_argument("--plot-dir", type=users_path, default=None)
     args = ap.parse_args()

@@ -40,7 +40,6 @@ by a time limit keeps what it finished; every stage's seconds are in ``stage_s``
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from common import load, save, users_path
+from common import load, read_results, save, users_file, users_path
 
 from edgefl.algorithms.training import evaluate_accuracy
 from edgefl.config import validate_config
@@ -316,13 +315,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tag", default="all")
     p.add_argument("--plot-dir", type=users_path, default=Path("docs/img"))
-    p.add_argument("--merge", nargs="+", type=users_path, help="merge earlier result files instead of running")
+    p.add_argument("--merge", nargs="+", type=users_file, help="merge earlier result files instead of running")
     args = p.parse_args()
     for name, scaled, paper in (("width", 0.5, 1.0), ("vgg_epochs", 10, 200), ("vgg_lr", 5e-3, 1e-3)):
         if getattr(args, name) is None:
             setattr(args, name, paper if args.paper else scaled)
     if args.merge:
-        results = [r for f in args.merge for r in json.loads(f.read_text())["results"]]
+        results = [r for f in args.merge for r in read_results(f, "results")]
         print(table(results))
         print(f"plot: {plot(results, args.plot_dir / 'fedmho-table4.png')}")
         save("fedmho", {"results": results, "merged_from": [str(f) for f in args.merge]})

@@ -22,13 +22,12 @@ ResNet50's 512-wide bottleneck output gets the fixed-width projection).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from common import load, mean_std, plot_curves, run_config, save, users_path
+from common import load, mean_std, plot_curves, read_results, run_config, save, users_file, users_path
 
 DEPTHS = {"set1": ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26"),
           "extreme": ("resnet10", "resnet18", "resnet26", "resnet34", "resnet50"),
@@ -86,7 +85,7 @@ def run(args) -> None:
 
 
 def merge(paths: list[str], plot_dir: Path | None) -> None:
-    runs = [r for p in paths for r in json.loads(Path(p).read_text())["runs"]]
+    runs = [r for p in paths for r in read_results(Path(p), "runs")]
     for table in sorted({r["table"] for r in runs}):
         print(f"\nTable {table}")
         rows = [r for r in runs if r["table"] == table]
@@ -127,7 +126,7 @@ def main() -> None:
     ap.add_argument("--cvae-epochs", type=int, default=50)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tag", default="all")
-    ap.add_argument("--merge", nargs="+", default=None)
+    ap.add_argument("--merge", nargs="+", type=users_file, default=None)
     ap.add_argument("--plot-dir", type=users_path, default=None)
     args = ap.parse_args()
     if args.merge:
