@@ -337,7 +337,10 @@ MERGE_MAX_DEPTH = 16  # a run's config nests four levels: one nested hundreds de
 
 
 class MergeRefused(EdgeflError):
-    """A --merge file that is not a table.json of this table, scale and config."""
+    """A --merge file that is not a table.json of this table, scale and config (``about_out``: the
+    refusal is of --out's own table.json, said as such)."""
+
+    about_out = False
 
 
 def _nested_deeper(value: Any, limit: int) -> bool:
@@ -434,8 +437,8 @@ def _read_table_json(path: Path) -> dict[str, Any]:
     return held
 
 
-def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str, overrides: list[str]) -> None:
-    """Refuse a table.json of another table, scale or --set than this command's."""
+def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str) -> list[str]:
+    """Refuse a table.json of another table or scale than this command's; the --set list it records."""
     if (held.get("table"), held.get("scale")) != (name, scale):
         theirs = ("no table and scale" if held.get("table") is None and held.get("scale") is None else
                   f"the {printable(held.get('table'), 40)} table at --scale {printable(held.get('scale'), 20)}")
@@ -443,119 +446,130 @@ def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str, overrid
     theirs_set = held.get("overrides")
     if not (isinstance(theirs_set, list) and len(theirs_set) <= 64 and all(isinstance(o, str) for o in theirs_set)):
         raise MergeRefused(f"{path}'s overrides are {_json_kind(theirs_set)}, not the list of --set strings a table.json records")
-    if theirs_set != overrides:
-        raise MergeRefused(f"{path}'s cells ran with --set {printable(held.get('overrides'), 200)}, this command's with "
-                           f"--set {overrides}: pass the same --set (a smoke run's cells are not the table's)")
+    return theirs_set
 
 
 def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: list[Cell], device: str,
                 overrides: list[str], carried: Path | None = None
                 ) -> tuple[dict[str, dict[str, Any]], list[str], list[dict[str, Any]]]:
     """The finished cells of earlier sittings' table.json files (``--merge``), by cell key, what
-    was said of them, and the held cells. A file of another table, scale or --set, a cell recorded
-    with another config than this command's, a malformed entry, or one cell given two different
-    results is refused (:class:`MergeRefused`); a cell of a seed not asked for is left out.
+    was said of them, and the held cells. A file of another table or scale, a cell recorded with
+    another config than this command's (the --set it ran with among them), a malformed entry, or
+    one cell given two different results is refused (:class:`MergeRefused`).
 
     ``carried``: the output folder's own table.json, whose cells merged in an earlier report are
     taken again (a report without ``--merge`` would otherwise drop them); its own cells are not
-    (their run directories are the record: one deleted to be run again is run again). A merged
-    cell there that this command does not show (a seed not asked for, a config that no longer
-    fits) is returned as held, as it was recorded: the report keeps it in table.json's "held"
-    list, so that a later report asking for it shows it again (it is recorded nowhere else once
-    the sitting's own folder is gone)."""
+    (their run directories are the record: one deleted to be run again is run again). Held: a
+    merged cell this command does not show (a seed not asked for; in --out's own table.json or
+    in a file's "held" list, also a config that no longer fits or a malformed entry, said in a
+    note, not refused), as it was recorded: the report keeps it in table.json's "held" list, so
+    that a later report asking for it shows it again (once the file it came from is gone, it is
+    recorded nowhere else). A file's "held" list is read as its cells are."""
     by_key = {c.key: c for c in cells}
     rows = {c.row for c in cells} | {r for r, _ in table.paper}
     prefixes = {c.key.rsplit("-s", 1)[0] for c in cells}
     merged: dict[str, dict[str, Any]] = {}
+    read_in: dict[str, Path] = {}  # the file each merged cell was read from (a second result names both)
     notes: list[str] = []
     held_back: dict[str, dict[str, Any]] = {}  # (by cell key: one entry a cell)
+
+    def hold(raw: Any) -> str:
+        """Keep ``raw`` for the report's "held" list; what became of it, for a note."""
+        key = raw.get("cell") if isinstance(raw, dict) else None
+        if not isinstance(key, str):
+            return "is dropped (it names no cell)"
+        if _nested_deeper(raw, MERGE_MAX_DEPTH + 2):  # (no run's record: written back, it would recurse)
+            return "is dropped (nested past any run's record)"
+        held_back.setdefault(key, raw)
+        return 'stays in the "held" list'
+
     for path in [*paths, *([carried] if carried is not None and carried.is_file() and carried not in paths else [])]:
         own = path == carried
         try:
             held = _read_table_json(path)
+            if own and not isinstance(held.get("held", []), list):
+                raise MergeRefused(f"{path}'s \"held\" list is {_json_kind(held.get('held'))}, not a list")
         except MergeRefused as exc:
             if own:  # its merged cells are recorded nowhere else: writing it anew would lose them
-                raise MergeRefused(f"this folder's own {exc.message}; nothing was written",
-                                   hint=f"restore {path} (or move it aside to start the table's record anew)") from None
+                refused = MergeRefused(f"this folder's own {exc.message}; nothing was written",
+                                       hint=f"restore {path} (or move it aside to start the table's record anew)")
+                refused.about_out = True
+                raise refused from None
             raise
-        entries = held["cells"][:MERGE_MAX_CELLS]
         if len(held["cells"]) > MERGE_MAX_CELLS:  # (a table has dozens of cells: the rest are not read, and said so)
             notes.append(f"{path}: only its first {MERGE_MAX_CELLS:,} of {len(held['cells']):,} cells were read")
-        if own:  # (its merged cells, and those an earlier report held: its own cells' record is their run directory)
-            kept = held.get("held") if isinstance(held.get("held"), list) else []
-            entries = [raw for raw in [*entries, *kept[:MERGE_MAX_CELLS]] if isinstance(raw, dict) and raw.get("from")]
+        kept = held.get("held", [])
+        if not isinstance(kept, list):
+            notes.append(f"{path}: its \"held\" list is {_json_kind(kept)}, not a list: not read")
+            kept = []
+        # (--out's own cells, without "from", are their run directories' to count)
+        entries = [(f"cells[{i}]", raw, False) for i, raw in enumerate(held["cells"][:MERGE_MAX_CELLS])
+                   if not own or (isinstance(raw, dict) and raw.get("from"))]
+        entries += [(f"held[{i}]", raw, True) for i, raw in enumerate(kept[:MERGE_MAX_CELLS])]
         if not entries:
             continue
-
-        def hold(raw: dict[str, Any]) -> None:
-            key = raw.get("cell")
-            if isinstance(key, str) and not _nested_deeper(raw, MERGE_MAX_DEPTH + 2):  # (one nested deeper is no run's record)
-                held_back.setdefault(key, raw)
-
         try:
-            _check_fits(held, path, name, scale, overrides)
+            recorded_set = _check_fits(held, path, name, scale)
         except MergeRefused as exc:
             if not own:
                 raise
-            for raw in entries:
-                hold(raw)
-            notes.append(f"the cells merged into {path} earlier are not shown, and stay in its \"held\" list: {exc.message}")
+            staying = [hold(raw) for _, raw, _ in entries].count('stays in the "held" list')
+            notes.append(f"the {len(entries)} cell(s) merged into {path} earlier are not shown: {exc.message} "
+                         f"({staying} stay in its \"held\" list)")
             continue
         unasked, untold = 0, []
-        for i, raw in enumerate(entries):
+        for at, raw, was_held in entries:
+            soft = own or was_held  # said and held, not refused: a cell an earlier report merged or held
             try:
-                entry = _merged_cell(raw, i, path, f"{name} at --scale {scale}", by_key, prefixes, rows, device, overrides, own)
+                entry = _merged_cell(raw, at, path, f"{name} at --scale {scale}", by_key, prefixes, rows, device, overrides,
+                                     own, recorded_set)
             except MergeRefused as exc:
-                if not own:
+                if not soft:
                     raise
-                hold(raw)
-                notes.append(f"a cell merged earlier is not shown, and stays in {path}'s \"held\" list: {exc.message}")
+                notes.append(f"{path}: a cell merged earlier is not shown and {hold(raw)}: {exc.message}")
                 continue
             if entry is None:
                 unasked += 1
-                if own:
-                    hold(raw)
+                hold(raw)
                 continue
             key = entry["cell"]
             if key in merged:
                 if merged[key]["accuracy"] != entry["accuracy"]:
-                    raise _two_results(key, merged[key], entry, path, own)
+                    refused = _two_results(key, merged[key], entry, read_in[key], path)
+                    refused.about_out = carried in (read_in[key], path)
+                    raise refused
                 continue
             if entry["config"] is None:
                 untold.append(key)
-            merged[key] = entry
+            merged[key], read_in[key] = entry, path
         if unasked:
-            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out "
-                         + ("of this report, kept in its \"held\" list " if own else "") + "(--seeds takes them in)")
+            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out of this report, kept in its \"held\" list "
+                         "(--seeds takes them in)")
         if untold:
             notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): taken as "
                          f"this table's at commit(s) {', '.join(sorted({merged[k]['commit'] or 'unknown' for k in untold}))}")
     return merged, notes, [raw for key, raw in held_back.items() if key not in merged]
 
 
-def _two_results(key: str, first: dict[str, Any], second: dict[str, Any], path: Path, own: bool) -> MergeRefused:
-    """The refusal of a cell given two different results: ``first`` taken earlier, ``second`` in ``path``
-    (``own``: the output folder's table.json, where ``second`` was merged in an earlier report)."""
-    if own:
-        where = f"{second['accuracy']} merged earlier into {path}, {first['accuracy']} in {first['from']}"
-        hint = f"keep one of the two: remove the cell from {first['from']}, or its entry from {path} to take the other"
-    else:
-        twice = first["from"] == str(path)
-        where = (f"twice in {path}: {first['accuracy']} and {second['accuracy']}" if twice else
-                 f"{first['accuracy']} in {first['from']}, {second['accuracy']} in {path}")
-        hint = (f"keep one of the two: remove the other entry from {path}" if twice else
-                f"keep one of the two: remove the cell from {first['from']} or from {path}")
-    return MergeRefused(f"{key} has two results, {where}", hint=hint)
+def _two_results(key: str, first: dict[str, Any], second: dict[str, Any], first_in: Path, second_in: Path) -> MergeRefused:
+    """The refusal of a cell given two different results: ``first`` read from ``first_in``, ``second`` from ``second_in``."""
+    if first_in == second_in:
+        return MergeRefused(f"{key} has two results, twice in {second_in}: {first['accuracy']} and {second['accuracy']}",
+                            hint=f"keep one of the two: remove the other entry from {second_in}")
+    return MergeRefused(f"{key} has two results, {first['accuracy']} in {first_in}, {second['accuracy']} in {second_in}",
+                        hint=f"keep one of the two: remove the cell from {first_in} or from {second_in}")
 
 
-def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, Cell], prefixes: set[str], rows: set[str],
-                 device: str, overrides: list[str], own: bool) -> dict[str, Any] | None:
-    """Entry ``i`` of a --merge file, checked: the cell's record with ``from`` set; None for a cell of
-    a seed not asked for. Refused (:class:`MergeRefused`): a malformed entry and another config
-    than this command's (a second result for a cell is :func:`load_merged`'s to refuse)."""
+def _merged_cell(raw: Any, at: str, path: Path, table_of: str, by_key: dict[str, Cell], prefixes: set[str], rows: set[str],
+                 device: str, overrides: list[str], own: bool, recorded_set: list[str]) -> dict[str, Any] | None:
+    """Entry ``at`` (cells[i], held[i]) of a --merge file, checked: the cell's record with ``from``
+    set; None for a cell of a seed not asked for. Refused (:class:`MergeRefused`): a malformed entry
+    and another config than this command's, by the config the cell recorded or, for a cell that
+    recorded none, by the --set its file recorded (``recorded_set``; a second result for a cell is
+    :func:`load_merged`'s to refuse)."""
     key = raw.get("cell") if isinstance(raw, dict) else None
     if not isinstance(key, str):
-        raise MergeRefused(f"{path}: cells[{i}] names no cell (each entry is a table with a \"cell\" key)")
+        raise MergeRefused(f"{path}: {at} names no cell (each entry is a table with a \"cell\" key)")
     cell = by_key.get(key)
     if cell is None:
         other_seed = re.fullmatch(r"(.+)-s(\d{1,9})", key)
@@ -563,11 +577,18 @@ def _merged_cell(raw: Any, i: int, path: Path, table_of: str, by_key: dict[str, 
             return None  # the same cell at another seed
         raise MergeRefused(f"{path}: {printable(key, 60)!r} is not a cell of {table_of}")
     entry = _merged_entry(raw, cell, rows, str(path))
-    why = differs_from_asked(entry["config"], cell, device, overrides) if entry["config"] is not None else None
-    if why:
-        raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: {why}",
-                           hint="the table's setting changed since (see its commit), or its cells ran with another --set")
-    return {**entry, "from": printable(raw["from"], 300) if own else str(path)}
+    if entry["config"] is not None:
+        why = differs_from_asked(entry["config"], cell, device, overrides)
+        if why:
+            raise MergeRefused(f"{path}: cell {key} ran with another config than this command's: {why}",
+                               hint="the table's setting changed since (see its commit), or its cells ran with another --set"
+                                    + (f" (its file records --set {printable(recorded_set, 200)})" if recorded_set != overrides else ""))
+    elif recorded_set != overrides:
+        raise MergeRefused(f"{path}'s cells ran with --set {printable(recorded_set, 200)}, this command's with --set {overrides}, "
+                           f"and cell {key} recorded no config to tell otherwise: pass the same --set (a smoke run's cells are "
+                           "not the table's)")
+    told = raw.get("from")
+    return {**entry, "from": printable(told, 300) if own and isinstance(told, str) and told else str(path)}
 
 
 def _simulate_command(config: dict[str, Any], cfg_path: Path, run: Path) -> list[str]:
@@ -875,7 +896,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
               + "; ".join(f"{key} ({why})" for key, why in list(otherwise.items())[:3]) + " (pass the --set they ran with)")
     if missing or partial:
         unselected = selected is not None and any(k not in selected for k in [*missing, *(p["cell"] for v in partial.values() for p in v)])
-        goes_on = ("the same command without --report-only goes on" + (", once the cells not counted are moved away" if otherwise else "")
+        goes_on = ("the same command without --report-only" + (" and --cells" if unselected else "") + " goes on"
+                   + (", once the cells not counted are moved away" if otherwise else "")
                    if report_only else "--cells left some out: the same command without --cells goes on" if unselected
                    else "the same command goes on")
         print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way ({goes_on})")
@@ -1079,6 +1101,8 @@ def main() -> None:
         ap.error(f"--out {out} is a file: the table's folder holds its cells' run directories and table.json (name a folder)")
     if args.report_only and not out.is_dir() and not args.merge:
         ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
+    if (out / "table.json").exists() and not (out / "table.json").is_file():  # (a pipe would be read without end)
+        ap.error(f"--out {out}: its table.json is not a regular file (a pipe, a device or a folder): move it aside")
     other = _other_table(out, args.table, args.scale)
     if other:
         ap.error(f"{out} holds {other}: give this table its own --out (its cells and table.json would mix with those)")
@@ -1093,8 +1117,7 @@ def main() -> None:
         merged, merge_notes, held = load_merged(args.merge, args.table, table, args.scale, every_cell, args.device,
                                                 args.overrides, carried=out / "table.json")
     except MergeRefused as exc:  # (a damaged table.json of --out's own is refused here too, --merge given or not)
-        flag = "--out" if exc.message.startswith("this folder's own") else "--merge"
-        ap.error(f"{flag}: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
+        ap.error(f"{'--out' if exc.about_out else '--merge'}: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
     for line in merge_notes:
         print(f"merged cells: {line}", flush=True)
     if not args.report_only:

@@ -114,6 +114,12 @@ def test_a_wrong_cell_or_a_missing_report_folder_is_a_usage_error(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr[-2000:])
     assert json.loads((other / "table.json").read_text()) == {"table": "fedhe", "scale": "cpu"}  # left as it was
+    piped = tmp_path / "piped"  # a second trial's: a pipe as --out's table.json was read without end
+    piped.mkdir()
+    os.mkfifo(piped / "table.json")
+    hung = subprocess.run([sys.executable, script, "chfl", "--report-only", "--out", str(piped)], capture_output=True, text=True,
+                          timeout=120)
+    assert hung.returncode == 2 and "its table.json is not a regular file" in hung.stderr
     assert not (tmp_path / "t").exists()
 
 
@@ -284,7 +290,9 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
             paper.load_merged([bad], "chfl", table, "cpu", table.cells("cpu", 0), "auto", list(overrides))
         return exc.value.message
 
-    assert "this command's with --set []" in refused(earlier, ())  # a smoke run's cells are not the table's
+    assert "rounds: 3 there, 60 asked" in refused(earlier, ())  # a smoke run's cells are not the table's
+    bare = [{k: v for k, v in c.items() if k != "config"} for c in earlier["cells"]]  # (a file from before cells kept one)
+    assert "this command's with --set [], and cell chfl-iid-s0 recorded no config" in refused({**earlier, "cells": bare}, ())
     assert "holds the fedhe table" in refused({**earlier, "table": "fedhe"})
     cell = earlier["cells"][0]
     assert "not a fraction in [0, 1]" in refused({**earlier, "cells": [{**cell, "accuracy": {"CHFL": 2.5}}]})
@@ -358,7 +366,8 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     (fresh / "table.json").write_text(json.dumps(kept))
     moved = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert moved.returncode == 0 and "is not shown, and stays in" in moved.stdout and "method.name: 'fedavg' there" in moved.stdout, moved.stderr
+    assert moved.returncode == 0 and 'is not shown and stays in the "held" list' in moved.stdout, moved.stdout[-2000:]
+    assert "method.name: 'fedavg' there" in moved.stdout
     # ... and stays in the folder's table.json, held (it was dropped from it: recorded nowhere else)
     assert [c["cell"] for c in json.loads((fresh / "table.json").read_text())["held"]] == ["chfl-iid-s0"]
     # an outside trial's: a merged cell of a seed a later report does not ask for was dropped from table.json
@@ -377,6 +386,18 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     back = report_of("--seeds", "0,7")
     shown = json.loads((sevens / "table.json").read_text())
     assert back.returncode == 0 and [c["cell"] for c in shown["cells"]] == ["chfl-iid-s7"] and shown["held"] == [], back.stdout[-2000:]
+    # a second trial's: a report with another --set held the cells, and the next plain report said they ran with it
+    other_set = subprocess.run([sys.executable, script, "chfl", "--out", str(sevens), "--report-only", "--seeds", "0,7"],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert other_set.returncode == 0 and "rounds: 3 there, 60 asked" in other_set.stdout, other_set.stdout[-2000:]
+    again = report_of("--seeds", "0,7")
+    assert again.returncode == 0 and [c["cell"] for c in json.loads((sevens / "table.json").read_text())["cells"]] == ["chfl-iid-s7"]
+    # ... and a copied table.json's held cells are read with --merge, as its cells are (they were ignored)
+    report_of()  # (seed 0 only: chfl-iid-s7 held again)
+    copied = tmp_path / "copied"
+    taken = subprocess.run([sys.executable, script, "chfl", "--out", str(copied), "--report-only", *smoke, "--seeds", "0,7",
+                            "--merge", str(sevens / "table.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert taken.returncode == 0 and [c["cell"] for c in json.loads((copied / "table.json").read_text())["cells"]] == ["chfl-iid-s7"]
     # the folder's own table.json damaged: refused, not written anew without its merged cells
     made = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, *merge],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -394,6 +415,12 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     replaced = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, "--merge", str(other)],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert replaced.returncode == 2 and "chfl-iid-s0 has two results" in replaced.stderr, replaced.stdout[-2000:]
+    # two results within --out's own table.json, no --merge given: said as --out's, naming that file alone
+    (fresh / "table.json").write_text(json.dumps(earlier | {"cells": [{**cell, "from": "x.json"},
+                                                                       {**cell, "from": "y.json", "accuracy": {"CHFL": 0.1}}]}))
+    twice = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert twice.returncode == 2 and f"error: --out: chfl-iid-s0 has two results, twice in {fresh / 'table.json'}" in twice.stderr
     # --out naming a file
     named = subprocess.run([sys.executable, script, "chfl", "--out", str(other), "--report-only", *smoke],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
