@@ -136,9 +136,13 @@ def test_every_benchmarks_relative_path_is_the_callers_through_dev_sh(monkeypatc
     assert users_path("FedMHO") == tmp_path / "FedMHO" and users_path("/abs/x") == Path("/abs/x")
     monkeypatch.delenv("EDGEFL_CALLER_DIR")
     assert users_path("FedMHO") == Path("FedMHO")  # run as python bench/X.py: the working folder's, as any program's
+    paths = "out|merge|plot|plot-dir|keep|replot|from-results|authors-dir|root|profile-server"
     for script in sorted((ROOT / "bench").glob("*.py")):  # a path option of a benchmark is read by users_path
-        plain = re.findall(r'add_argument\("(--[a-z-]+)", type=Path\b', script.read_text())
+        text = script.read_text()
+        plain = re.findall(r'add_argument\("(--[a-z-]+)", type=Path\b', text)
         assert not plain, f"{script.name}: {plain} would be taken from the checkout through ./dev.sh (type=users_path)"
+        for line in re.findall(rf'add_argument\("--(?:{paths})",[^\n]*', text):
+            assert "type=users_" in line or "users_path(args." in text, f"{script.name}: {line[:80]} (type=users_path or users_file)"
 
 
 def test_a_probe_times_a_few_rounds_and_estimates_the_whole_cell_without_a_table(tmp_path):
