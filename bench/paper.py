@@ -244,7 +244,7 @@ TABLES: dict[str, Table] = {
         "the authors' split (contiguous tenths), one client per iteration, 3 batches of 50, Adam 1e-3 kept per client, alpha 1 (MSE); "
         "paper rows are MNIST, ours Fashion-MNIST (no MNIST copy here)",
         {("FedHe", "contiguous"): 98.5, ("Private", "contiguous"): 98.0}, "paper Table II, MNIST", _fedhe, ["contiguous"],
-        {"cpu": "about 10 min a cell, 2 cells a seed, on a 2-core CPU", "paper": "about 30 min a seed on an H200 (measured)"}),
+        {"cpu": "5-9 min a cell, 2 cells a seed, on a 2-core CPU", "paper": "about 30 min a seed on an H200 (measured)"}),
     "fedin": Table(
         "FedIN (paper 001) Table 1: 100 devices, ResNet10/14/18/22/26, 500 rounds, 5 local epochs",
         "Fashion-MNIST, IID and Dirichlet(0.5); FedAvg with the same layer-wise aggregation, no IN, no prox",
