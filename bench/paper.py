@@ -473,15 +473,16 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
     notes: list[str] = []
     held_back: dict[str, dict[str, Any]] = {}  # (by cell key: one entry a cell)
 
-    def hold(raw: Any) -> str:
-        """Keep ``raw`` for the report's "held" list; what became of it, for a note."""
+    def hold(raw: Any, path: Path, own: bool) -> str:
+        """Keep ``raw`` of ``path`` for the report's "held" list (``from`` naming the file another
+        sitting's came from, as a shown cell's does); what became of it, for a note."""
         key = raw.get("cell") if isinstance(raw, dict) else None
         if not isinstance(key, str):
             return "is dropped (it names no cell)"
         if _nested_deeper(raw, MERGE_MAX_DEPTH + 2):  # (no run's record: written back, it would recurse)
             return "is dropped (nested past any run's record)"
-        held_back.setdefault(key, raw)
-        return 'stays in the "held" list'
+        held_back.setdefault(key, raw if own else {**raw, "from": str(path)})
+        return "stays in --out's \"held\" list"
 
     for path in [*paths, *([carried] if carried is not None and carried.is_file() and carried not in paths else [])]:
         own = path == carried
@@ -513,7 +514,7 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
         except MergeRefused as exc:
             if not own:
                 raise
-            staying = [hold(raw) for _, raw, _ in entries].count('stays in the "held" list')
+            staying = sum(hold(raw, path, own).startswith("stays") for _, raw, _ in entries)
             notes.append(f"the {len(entries)} cell(s) merged into {path} earlier are not shown: {exc.message} "
                          f"({staying} stay in its \"held\" list)")
             continue
@@ -526,11 +527,11 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             except MergeRefused as exc:
                 if not soft:
                     raise
-                notes.append(f"{path}: a cell merged earlier is not shown and {hold(raw)}: {exc.message}")
+                notes.append(f"{path}: a cell merged earlier is not shown and {hold(raw, path, own)}: {exc.message}")
                 continue
             if entry is None:
                 unasked += 1
-                hold(raw)
+                hold(raw, path, own)
                 continue
             key = entry["cell"]
             if key in merged:
@@ -543,8 +544,8 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
                 untold.append(key)
             merged[key], read_in[key] = entry, path
         if unasked:
-            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out of this report, kept in its \"held\" list "
-                         "(--seeds takes them in)")
+            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out of this report, kept in --out's \"held\" "
+                         "list (--seeds takes them in)")
         if untold:
             notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): taken as "
                          f"this table's at commit(s) {', '.join(sorted({merged[k]['commit'] or 'unknown' for k in untold}))}")

@@ -370,7 +370,7 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     (fresh / "table.json").write_text(json.dumps(kept))
     moved = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert moved.returncode == 0 and 'is not shown and stays in the "held" list' in moved.stdout, moved.stdout[-2000:]
+    assert moved.returncode == 0 and 'is not shown and stays in --out\'s "held" list' in moved.stdout, moved.stdout[-2000:]
     assert "method.name: 'fedavg' there" in moved.stdout
     # ... and stays in the folder's table.json, held (it was dropped from it: recorded nowhere else)
     assert [c["cell"] for c in json.loads((fresh / "table.json").read_text())["held"]] == ["chfl-iid-s0"]
@@ -385,7 +385,7 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
 
     assert report_of("--seeds", "0,7", "--merge", str(tmp_path / "seven.json")).returncode == 0
     without = report_of()
-    assert without.returncode == 0 and 'kept in its "held" list (--seeds takes them in)' in without.stdout, without.stdout[-2000:]
+    assert without.returncode == 0 and 'kept in --out\'s "held" list (--seeds takes them in)' in without.stdout, without.stdout[-2000:]
     assert [c["cell"] for c in json.loads((sevens / "table.json").read_text())["held"]] == ["chfl-iid-s7"]
     back = report_of("--seeds", "0,7")
     shown = json.loads((sevens / "table.json").read_text())
@@ -402,6 +402,10 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     taken = subprocess.run([sys.executable, script, "chfl", "--out", str(copied), "--report-only", *smoke, "--seeds", "0,7",
                             "--merge", str(sevens / "table.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert taken.returncode == 0 and [c["cell"] for c in json.loads((copied / "table.json").read_text())["cells"]] == ["chfl-iid-s7"]
+    elsewhere = tmp_path / "elsewhere"  # a seed not asked for, of a --merge file: held too, naming the file it came from
+    assert subprocess.run([sys.executable, script, "chfl", "--out", str(elsewhere), "--report-only", *smoke, "--merge",
+                           str(copied / "table.json")], capture_output=True, text=True, timeout=120, cwd=ROOT).returncode == 0
+    assert [c["from"] for c in json.loads((elsewhere / "table.json").read_text())["held"]] == [str(copied / "table.json")]
     # the folder's own table.json damaged: refused, not written anew without its merged cells
     made = subprocess.run([sys.executable, script, "chfl", "--out", str(fresh), "--report-only", *smoke, *merge],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
