@@ -141,10 +141,14 @@ case "$job" in
     bench)
         name=${1:?usage: ./dev.sh bench NAME [options] (NAME: a script in bench/, e.g. paper)}; shift
         if [[ ! -f "bench/$name.py" || $name == -* ]]; then  # (--help or a typo: python would say "can't open file")
-            [[ $name == -h || $name == --help ]] || echo "no benchmark '$name' in bench/" >&2
-            echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(cd bench && ls *.py | sed 's/\.py$//' | grep -vx common) >&2
-            echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)" >&2
-            [[ $name == -h || $name == --help ]] && exit 0 || exit 2
+            asked=0; [[ $name == -h || $name == --help ]] && asked=1
+            # asked for help: the list on stdout, exit 0 (pipe it to less); a typo: on stderr, exit 2
+            {
+                (( asked )) || echo "no benchmark '$name' in bench/"
+                echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(cd bench && ls *.py | sed 's/\.py$//' | grep -vx common)
+                echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)"
+            } >&$(( asked ? 1 : 2 ))
+            (( asked )) && exit 0 || exit 2
         fi
         apt_install dataset-fashion-mnist mosquitto
         setup_venv

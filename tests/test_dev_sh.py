@@ -1,0 +1,26 @@
+"""./dev.sh's own answers that come before any set-up (they must work on a fresh machine)."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dev_sh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "dev.sh"), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_bench_help_lists_the_benchmarks_on_stdout():
+    # asked for, the list is the answer (stdout, exit 0: `./dev.sh bench --help | less` shows it)
+    done = _dev_sh("bench", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "paper" in done.stdout.split() and "common" not in done.stdout.split()
+    assert done.stderr == ""
+
+
+def test_a_benchmark_name_mistyped_is_an_error_on_stderr_that_lists_the_names():
+    done = _dev_sh("bench", "papr")
+    assert done.returncode == 2
+    assert "no benchmark 'papr' in bench/" in done.stderr and "paper" in done.stderr.split()
+    assert done.stdout == ""
