@@ -69,6 +69,17 @@ def mounted(root: Path) -> Iterator[None]:
             subprocess.run(["umount", "-R", "-l", str(target)], check=False)
 
 
+def root_problem(root: Path) -> str | None:
+    """Why ``root`` is not a built ARM device (None when it is): checked before anything is mounted
+    in it, so a mistyped --root mounts nothing under some other folder."""
+    if not root.is_dir():
+        return f"--root {root} is not a folder"
+    for inside in ("usr/bin/env", f"{DEVICE_VENV.lstrip('/')}/bin/python", "proc", "sys", "dev"):
+        if not os.path.lexists(root / inside):
+            return f"--root {root} holds no /{inside}: not a built arm64 device"
+    return None
+
+
 def arm_command(root: Path, *args: str) -> list[str]:
     return ["chroot", str(root), "/usr/bin/env", "-i", "HOME=/root", "PATH=/opt/edgefl/bin:/usr/bin:/bin", "LANG=C.UTF-8",
             f"{DEVICE_VENV}/bin/edgefl", *args]
@@ -307,6 +318,10 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=600, help="a footprint device's own training samples (assign's default round)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: profile, fleet, footprints")
     args = ap.parse_args()
+    problem = root_problem(args.root)
+    if problem:
+        print(f"{problem} (./dev.sh arm-device builds it and passes its --root)", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("the ARM device needs root (chroot, a memory cgroup)", file=sys.stderr)
         return 2
