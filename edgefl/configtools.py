@@ -95,7 +95,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 def config_differences(a: Any, b: Any, *, into_lists: bool = False, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted key, a's value, b's value) wherever two JSON-like configs differ; a key one side lacks
-    has None there (a table one side lacks, each of its leaves). ``into_lists``: lists of one length
+    has None there (a table one side lacks, each of its leaves; so an empty table and a missing one
+    do not differ: the configs compared are resolved ones, where both mean the defaults). ``into_lists``: lists of one length
     are compared item by item, so a difference is named ``fleet.groups.1.count``, not ``fleet.groups``."""
     if isinstance(a, dict) and isinstance(b, dict) or (a is None and isinstance(b, dict)) or (b is None and isinstance(a, dict)):
         a, b = a or {}, b or {}  # a table one side lacks: name its leaves, as a key one side lacks is
