@@ -10,7 +10,8 @@
 #                                             under qemu-user-static, edgefl installed as on a Pi), then
 #                                             bench/arm_device.py: profile, fleet run under a RAM cap, footprints
 # Set-up is idempotent: the virtual environment (.venv, or $EDGEFL_VENV) is rebuilt only when
-# pyproject.toml changes. As root it also installs the Debian packages the job needs.
+# pyproject.toml changes. As root it also installs the Debian packages the job needs. A venv
+# holds one checkout's edgefl (editable): one set up from another checkout is refused, not re-pointed.
 set -euo pipefail
 # paths a user gives (a config, --out, --merge) are theirs: relative to where they ran this from
 CALLER_DIR=$PWD
@@ -53,9 +54,19 @@ setup_venv() {
 }
 
 install_venv() {
-    local stamp="$VENV/.edgefl-stamp" want
+    local stamp="$VENV/.edgefl-stamp" want had_hash="" had_root=""
     want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
-    if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return 0; fi
+    [ -f "$stamp" ] && read -r had_hash had_root < "$stamp" || true
+    # edgefl goes in editable: setting up a venv another checkout uses ($EDGEFL_VENV shared with a
+    # worktree) would point it, and that checkout's `edgefl` commands, at this one; say so instead
+    if [ -x "$VENV/bin/python" ] && [ -n "$had_root" ] && [ "$had_root" != "$ROOT" ] && [ -d "$had_root" ] \
+        && [ "${EDGEFL_VENV_MOVE:-0}" != 1 ]; then
+        echo "error: $VENV holds the edgefl of $had_root (an editable install); using it from $ROOT would" >&2
+        echo "  point it here. Give this checkout a venv of its own (unset EDGEFL_VENV, or another path)," >&2
+        echo "  run its scripts with $VENV/bin/python directly, or set EDGEFL_VENV_MOVE=1 to move it here." >&2
+        exit 2
+    fi
+    if [ -x "$VENV/bin/python" ] && [ "$had_hash" = "$want" ] && [ "$had_root" = "$ROOT" ]; then return 0; fi
     echo "setting up $VENV (first run: about two minutes)" >&2
     [ -x "$VENV/bin/python" ] || "$(pick_python)" -m venv "$VENV"
     local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
@@ -67,7 +78,7 @@ install_venv() {
     "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${EDGEFL_TORCH:-2.14.1}')" \
         || { echo "error: the extras replaced the pinned torch" >&2; exit 1; }
     "$VENV/bin/python" -c "import edgefl.server, edgefl.exporters" || { echo "error: edgefl did not install" >&2; exit 1; }
-    echo "$want" > "$stamp"
+    echo "$want $ROOT" > "$stamp"
 }
 
 arm_device_root() {
@@ -111,7 +122,7 @@ print(hashlib.sha256(z.read(next(n for n in z.namelist() if n.endswith(".dist-in
         cp "$wheel" "$ARM_ROOT/tmp/"
         chroot "$ARM_ROOT" "${devpip[@]}" install -q --force-reinstall --no-deps "/tmp/$(basename "$wheel")" >&2
         chroot "$ARM_ROOT" "${devpip[@]}" install -q "/tmp/$(basename "$wheel")" >&2
-        echo "$want" > "$stamp"
+        echo "$want $ROOT" > "$stamp"
     fi
     # the device's own data: the Fashion-MNIST files where Debian puts them
     mkdir -p "$ARM_ROOT/usr/share/datasets"

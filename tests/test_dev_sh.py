@@ -1,7 +1,9 @@
 """./dev.sh's own answers that come before any set-up (they must work on a fresh machine)."""
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,3 +26,18 @@ def test_a_benchmark_name_mistyped_is_an_error_on_stderr_that_lists_the_names():
     assert done.returncode == 2
     assert "no benchmark 'papr' in bench/" in done.stderr and "paper" in done.stderr.split()
     assert done.stdout == ""
+
+
+def test_a_venv_another_checkout_installed_is_not_pointed_here(tmp_path):
+    # EDGEFL_VENV shared with a worktree: setting it up from here would re-point the other
+    # checkout's editable edgefl at this one (its `edgefl` commands then ran this code)
+    other, venv = tmp_path / "other-checkout", tmp_path / "venv"
+    other.mkdir()
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / ".edgefl-stamp").write_text(f"0123456789abcdef {other}\n")
+    done = subprocess.run(["bash", str(ROOT / "dev.sh"), "edgefl", "--version"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "EDGEFL_VENV": str(venv)})
+    assert done.returncode == 2, done.stderr
+    assert f"holds the edgefl of {other}" in done.stderr and "EDGEFL_VENV_MOVE=1" in done.stderr
+    assert (venv / ".edgefl-stamp").read_text() == f"0123456789abcdef {other}\n"  # nothing installed over it
