@@ -427,7 +427,10 @@ def _read_table_json(path: Path) -> dict[str, Any]:
         size = path.stat().st_size
         if size > MERGE_MAX_BYTES:
             raise MergeRefused(f"{path} is {size / (1 << 20):.1f} MiB: not a table.json (those are kilobytes)", hint=what)
-        held = json.loads(path.read_text())
+        text = path.read_text()
+        if not text.strip():
+            raise MergeRefused(f"{path} is empty: not a table.json", hint=what)
+        held = json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:120]
         raise MergeRefused(f"{path} cannot be read as a table.json ({why})", hint=what) from None
@@ -442,7 +445,10 @@ def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str) -> list
     if (held.get("table"), held.get("scale")) != (name, scale):
         theirs = ("no table and scale" if held.get("table") is None and held.get("scale") is None else
                   f"the {printable(held.get('table'), 40)} table at --scale {printable(held.get('scale'), 20)}")
-        raise MergeRefused(f"{path} holds {theirs}, not {name} at --scale {scale}")
+        fix = (f"merge it into a report of its own table and scale (bench paper {printable(held.get('table'), 40)} --scale "
+               f"{printable(held.get('scale'), 20)} --report-only --merge {path})" if isinstance(held.get("table"), str)
+               and isinstance(held.get("scale"), str) else "merge the table.json a `bench paper` run wrote, as it wrote it")
+        raise MergeRefused(f"{path} holds {theirs}, not {name} at --scale {scale}", hint=fix)
     theirs_set = held.get("overrides")
     if not (isinstance(theirs_set, list) and len(theirs_set) <= 64 and all(isinstance(o, str) for o in theirs_set)):
         raise MergeRefused(f"{path}'s overrides are {_json_kind(theirs_set)}, not the list of --set strings a table.json records")
@@ -518,7 +524,7 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             notes.append(f"the {len(entries)} cell(s) merged into {path} earlier are not shown: {exc.message} "
                          f"({staying} stay in its \"held\" list)")
             continue
-        unasked, untold = 0, []
+        unasked, untold, unasked_seeds = 0, [], set()
         for at, raw, was_held in entries:
             soft = own or was_held  # said and held, not refused: a cell an earlier report merged or held
             try:
@@ -531,6 +537,9 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
                 continue
             if entry is None:
                 unasked += 1
+                seed = raw.get("seed") if isinstance(raw, dict) else None
+                if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 10**6:
+                    unasked_seeds.add(seed)
                 hold(raw, path, own)
                 continue
             key = entry["cell"]
@@ -544,8 +553,11 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
                 untold.append(key)
             merged[key], read_in[key] = entry, path
         if unasked:
-            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out of this report, kept in --out's \"held\" "
-                         "list (--seeds takes them in)")
+            seeds = ",".join(map(str, sorted(unasked_seeds)))
+            every = ",".join(map(str, sorted(unasked_seeds | {c.seed for c in cells})))
+            which = f" (seed{'s' if len(unasked_seeds) > 1 else ''} {seeds})" if seeds else ""
+            notes.append(f"{path}: {unasked} cell(s) of seeds not asked for left out of this report{which}, kept in --out's "
+                         "\"held\" list (--seeds takes them in" + (f": --seeds {every})" if seeds else ")"))
         if untold:
             notes.append(f"{path}: {len(untold)} cell(s) recorded no config (a table.json written before configs were): taken as "
                          f"this table's at commit(s) {', '.join(sorted({merged[k]['commit'] or 'unknown' for k in untold}))}")
@@ -883,7 +895,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     print(head + "\n" + "-" * len(head))
     for row in rows:
         print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
-    print("(ours, paper's in brackets; mean +- sd over seeds)")
+    seeds_in = sorted({d["seed"] for d in done if isinstance(d.get("seed"), int)})
+    print("(ours, paper's in brackets; " + ("no cell done yet)" if not seeds_in else
+          f"seed {seeds_in[0]} alone)" if len(seeds_in) == 1 else f"mean +- sd over seeds {','.join(map(str, seeds_in))})"))
     if shadowed:
         print(f"{len(shadowed)} merged cell(s) finished in {out} too; the run directories there count, not the merged results: "
               + "; ".join(shadowed[:4]) + (f" and {len(shadowed) - 4} more" if len(shadowed) > 4 else ""))
@@ -1045,8 +1059,38 @@ def _stopped_line(cell: Cell, out: Path, code: int) -> str:
     return f"stopped during {cell.key}: {why}, so the same command runs it again from the start"
 
 
+class _StdoutThatMayClose:
+    """sys.stdout for `bench paper ... | head`: once the reader has gone, the rest of what is printed
+    goes to /dev/null and the command goes on (a report still writes table.json and table.png, a
+    table run its cells), where the default SIGPIPE killed it before its files were written."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _gone(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main() -> None:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--list | head` ends quietly
+    sys.stdout = _StdoutThatMayClose(sys.stdout)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("table", nargs="?", choices=sorted(TABLES))
     ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",
@@ -1130,7 +1174,12 @@ def main() -> None:
                          + ". A cell's folder is taken as it is (a finished cell is not run again, a stopped one resumes), so it "
                            "would stand in this table: give this run its own --out (a smoke run's --set belongs in a folder of its "
                            "own), or pass the --set it ran with")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable by you")
+    except OSError as exc:  # (a file on the way, /proc, a read-only disk: said before any cell runs)
+        ap.error(f"--out {out} cannot be made or written ({exc.strerror or exc}): name a folder you can write")
     if args.probe is not None:
         try:
             probe(args.table, table, cells, out, args.scale, args.device, args.overrides, args.probe)

@@ -385,7 +385,7 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
 
     assert report_of("--seeds", "0,7", "--merge", str(tmp_path / "seven.json")).returncode == 0
     without = report_of()
-    assert without.returncode == 0 and 'kept in --out\'s "held" list (--seeds takes them in)' in without.stdout, without.stdout[-2000:]
+    assert without.returncode == 0 and '(seed 7), kept in --out\'s "held" list (--seeds takes them in: --seeds 0,7)' in without.stdout, without.stdout[-2000:]
     assert [c["cell"] for c in json.loads((sevens / "table.json").read_text())["held"]] == ["chfl-iid-s7"]
     back = report_of("--seeds", "0,7")
     shown = json.loads((sevens / "table.json").read_text())
@@ -476,3 +476,32 @@ def test_the_fedavg_row_a_fedmho_cell_fills_counts_the_seeds_asked_of_it(tmp_pat
     rows = {(ln["row"], ln["column"]): ln for ln in payload["rows"]}
     assert (rows["FedAvg", "Dir 0.5"]["seeds_done"], rows["FedAvg", "Dir 0.5"]["seeds_asked"]) == (1, 2)
     assert (rows["FedMHO", "Dir 0.5"]["seeds_done"], rows["FedMHO", "Dir 0.5"]["seeds_asked"]) == (1, 2)
+
+
+def test_a_report_piped_into_head_still_writes_its_files_and_says_which_seeds_it_left_out(tmp_path):
+    # an outside trial's: `--report-only ... | head` was killed by SIGPIPE before table.json and
+    # table.png were written, and "seeds not asked for" did not say which
+    script, kept = str(ROOT / "bench" / "paper.py"), str(ROOT / "docs" / "data" / "paper" / "chfl-cpu.json")
+    out = tmp_path / "report"
+    piped = subprocess.run(f"{sys.executable} {script} chfl --report-only --merge {kept} --out {out} | head -c 1",
+                           shell=True, capture_output=True, text=True, timeout=120, executable="/bin/bash")
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    assert (out / "table.json").is_file() and (out / "table.png").is_file() and "Traceback" not in piped.stderr
+    told = subprocess.run([sys.executable, script, "chfl", "--report-only", "--merge", kept, "--out", str(tmp_path / "again")],
+                          capture_output=True, text=True, timeout=120)
+    assert told.returncode == 0, told.stderr[-2000:]
+    assert "(seeds 1,2,3,4)" in told.stdout and "--seeds 0,1,2,3,4" in told.stdout
+    assert "seed 0 alone" in told.stdout and "mean +- sd" not in told.stdout  # one seed is no spread
+    (tmp_path / "a-file").write_text("")
+    for out_arg in (tmp_path / "a-file" / "sub", Path("/proc/edgefl-not-here")):
+        bad = subprocess.run([sys.executable, script, "chfl", "--report-only", "--merge", kept, "--out", str(out_arg)],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and f"--out {out_arg} cannot be made or written" in bad.stderr, bad.stderr[-2000:]
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    bad = subprocess.run([sys.executable, script, "chfl", "--report-only", "--merge", str(empty), "--out", str(tmp_path / "e")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and f"{empty} is empty: not a table.json" in bad.stderr
+    scale = subprocess.run([sys.executable, script, "chfl", "--scale", "paper", "--report-only", "--merge", kept,
+                            "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
+    assert scale.returncode == 2 and "bench paper chfl --scale cpu --report-only --merge" in scale.stderr
