@@ -63,7 +63,8 @@ install_venv() {
         && [ "${EDGEFL_VENV_MOVE:-0}" != 1 ]; then
         echo "error: $VENV holds the edgefl of $had_root (an editable install); using it from $ROOT would" >&2
         echo "  point it here. Give this checkout a venv of its own (unset EDGEFL_VENV, or another path)," >&2
-        echo "  run its scripts with $VENV/bin/python directly, or set EDGEFL_VENV_MOVE=1 to move it here." >&2
+        echo "  or set EDGEFL_VENV_MOVE=1 to move it here. (That venv's python and edgefl run $had_root's" >&2
+        echo "  code; only bench/paper.py, run from here with it, imports this checkout's.)" >&2
         exit 2
     fi
     if [ -x "$VENV/bin/python" ] && [ "$had_hash" = "$want" ] && [ "$had_root" = "$ROOT" ]; then return 0; fi
@@ -150,12 +151,14 @@ case "$job" in
         exec "$VENV/bin/python" -m pytest -n "$workers" --durations=25 "$@"
         ;;
     bench)
-        name=${1:?usage: ./dev.sh bench NAME [options] (NAME: a script in bench/, e.g. paper)}; shift
-        if [[ ! -f "bench/$name.py" || $name == -* ]]; then  # (--help or a typo: python would say "can't open file")
+        name=${1:-}; shift || true
+        # (--help, no name or a typo: python would say "can't open file"; common.py is the benchmarks' library)
+        if [[ ! -f "bench/$name.py" || $name == -* || $name == common ]]; then
             asked=0; [[ $name == -h || $name == --help ]] && asked=1
             # asked for help: the list on stdout, exit 0 (pipe it to less); a typo: on stderr, exit 2
             {
-                (( asked )) || echo "no benchmark '$name' in bench/"
+                (( asked )) || { [[ -z $name ]] && echo "./dev.sh bench needs a benchmark's NAME"; } \
+                    || echo "no benchmark '$name' in bench/"
                 echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(cd bench && ls *.py | sed 's/\.py$//' | grep -vx common)
                 echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)"
             } >&$(( asked ? 1 : 2 ))
