@@ -82,6 +82,11 @@ install_venv() {
     echo "$want $ROOT" > "$stamp"
 }
 
+bench_names() {
+    echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(cd bench && ls *.py | sed 's/\.py$//' | grep -vx common)
+    echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)"
+}
+
 arm_device_root() {
     # A Debian bookworm arm64 root file system (what Raspberry Pi OS 64-bit is built on), made once
     # and cached; edgefl goes in as a user installs it on a Pi: a venv, the aarch64 torch wheels
@@ -123,7 +128,7 @@ print(hashlib.sha256(z.read(next(n for n in z.namelist() if n.endswith(".dist-in
         cp "$wheel" "$ARM_ROOT/tmp/"
         chroot "$ARM_ROOT" "${devpip[@]}" install -q --force-reinstall --no-deps "/tmp/$(basename "$wheel")" >&2
         chroot "$ARM_ROOT" "${devpip[@]}" install -q "/tmp/$(basename "$wheel")" >&2
-        echo "$want $ROOT" > "$stamp"
+        echo "$want" > "$stamp"
     fi
     # the device's own data: the Fashion-MNIST files where Debian puts them
     mkdir -p "$ARM_ROOT/usr/share/datasets"
@@ -152,17 +157,11 @@ case "$job" in
         ;;
     bench)
         name=${1:-}; shift || true
-        # (--help, no name or a typo: python would say "can't open file"; common.py is the benchmarks' library)
+        # (python would say "can't open file"; common.py is the benchmarks' library, not one)
+        if [[ $name == -h || $name == --help ]]; then bench_names; exit 0; fi  # asked for: stdout, pipe it on
+        if [[ -z $name ]]; then echo "./dev.sh bench needs a benchmark's NAME" >&2; bench_names >&2; exit 2; fi
         if [[ ! -f "bench/$name.py" || $name == -* || $name == common ]]; then
-            asked=0; [[ $name == -h || $name == --help ]] && asked=1
-            # asked for help: the list on stdout, exit 0 (pipe it to less); a typo: on stderr, exit 2
-            {
-                (( asked )) || { [[ -z $name ]] && echo "./dev.sh bench needs a benchmark's NAME"; } \
-                    || echo "no benchmark '$name' in bench/"
-                echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(cd bench && ls *.py | sed 's/\.py$//' | grep -vx common)
-                echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)"
-            } >&$(( asked ? 1 : 2 ))
-            (( asked )) && exit 0 || exit 2
+            echo "no benchmark '$name' in bench/" >&2; bench_names >&2; exit 2
         fi
         apt_install dataset-fashion-mnist mosquitto
         setup_venv
