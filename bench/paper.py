@@ -872,7 +872,11 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
         done.append(entry)
     other_at = {(c.row, c.column) for c in cells if c.key in otherwise}
     rows = list(dict.fromkeys([c.row for c in cells] + [r for r, _ in got] + [r for r, _ in table.paper]))
-    print(f"\n{table.title}\n{table.note}\nscale {scale}, device {device}; the paper's numbers: {table.paper_source}")
+    ran_on = sorted({str(d["compute_device"]) for d in done if d.get("compute_device")})
+    # the cells' own devices, not the flag: a report may show cells run elsewhere (or none, asked for cuda)
+    where = (f"cells ran on {', '.join(ran_on)}" if ran_on else "no cell done yet") if report_only else \
+        f"device {device}" + (f" (the cells shown ran on {', '.join(ran_on)})" if ran_on and ran_on != [device] else "")
+    print(f"\n{table.title}\n{table.note}\nscale {scale}, {where}; the paper's numbers: {table.paper_source}")
     if overrides:
         print(f"overridden for every cell: {', '.join(overrides)} (not the table's setting: a smoke run, not a row to compare)")
     lines, shown = [], {}
@@ -919,7 +923,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
                "missing": missing, "partial": [p for v in partial.values() for p in v],
-               "device": device, "compute_devices": sorted({str(d["compute_device"]) for d in done if d.get("compute_device")}),
+               "device": device, "compute_devices": ran_on,
                "overrides": overrides, "rows": lines, "cells": done, "not_counted": otherwise,
                # merged earlier, not shown here (a seed not asked for, a config that no longer fits): kept for a later report
                "held": held or [],

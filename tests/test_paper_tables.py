@@ -492,6 +492,10 @@ def test_a_report_piped_into_head_still_writes_its_files_and_says_which_seeds_it
     assert told.returncode == 0, told.stderr[-2000:]
     assert "(seeds 1,2,3,4)" in told.stdout and "--seeds 0,1,2,3,4" in told.stdout
     assert "seed 0 alone" in told.stdout and "mean +- sd" not in told.stdout  # one seed is no spread
+    # a report names the devices its cells ran on, not the --device flag (which a report does not use)
+    on_cuda = subprocess.run([sys.executable, script, "chfl", "--report-only", "--device", "cuda", "--merge", kept,
+                              "--out", str(tmp_path / "cuda")], capture_output=True, text=True, timeout=120)
+    assert on_cuda.returncode == 0 and "cells ran on cpu;" in on_cuda.stdout and "device cuda" not in on_cuda.stdout
     (tmp_path / "a-file").write_text("")
     for out_arg in (tmp_path / "a-file" / "sub", Path("/proc/edgefl-not-here")):
         bad = subprocess.run([sys.executable, script, "chfl", "--report-only", "--merge", kept, "--out", str(out_arg)],
