@@ -87,6 +87,14 @@ bench_names() {
     echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)"
 }
 
+bench_closest() {
+    # the benchmark a mistyped NAME most likely meant (difflib: the standard library's, no venv needed)
+    (cd bench && ls *.py | sed 's/\.py$//' | grep -vx common) | python3 -c '
+import difflib, sys
+near = difflib.get_close_matches(sys.argv[1], [line.strip() for line in sys.stdin], n=1)
+print(near[0] if near else "")' "$1" 2>/dev/null || true
+}
+
 arm_device_root() {
     # A Debian bookworm arm64 root file system (what Raspberry Pi OS 64-bit is built on), made once
     # and cached; edgefl goes in as a user installs it on a Pi: a venv, the aarch64 torch wheels
@@ -161,7 +169,10 @@ case "$job" in
         if [[ $name == -h || $name == --help ]]; then bench_names; exit 0; fi  # asked for: stdout, pipe it on
         if [[ -z $name ]]; then echo "./dev.sh bench needs a benchmark's NAME" >&2; bench_names >&2; exit 2; fi
         if [[ ! -f "bench/$name.py" || $name == -* || $name == common ]]; then
-            echo "no benchmark '$name' in bench/" >&2; bench_names >&2; exit 2
+            echo "no benchmark '$name' in bench/" >&2
+            near=$(bench_closest "$name")
+            [[ -n $near ]] && echo "did you mean: ./dev.sh bench $near" >&2
+            bench_names >&2; exit 2
         fi
         apt_install dataset-fashion-mnist mosquitto
         setup_venv

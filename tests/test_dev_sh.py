@@ -31,6 +31,7 @@ def test_a_benchmark_name_mistyped_or_missing_is_an_error_on_stderr_that_lists_t
     assert done.returncode == 2
     assert said in done.stderr and "paper" in done.stderr.split()
     assert done.stdout == ""
+    assert ("did you mean: ./dev.sh bench paper" in done.stderr) == (name == "papr")
 
 
 def test_a_venv_another_checkout_installed_is_not_pointed_here(tmp_path):
