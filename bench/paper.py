@@ -50,6 +50,7 @@ says which rows were measured where; a row no GPU ran stays "not measured".
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import math
 import os
@@ -59,6 +60,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -665,7 +667,15 @@ def _run_forwarding_stops(cmd: list[str]) -> tuple[int, bool]:
     first makes it finish its round and checkpoint, a second stops it at once. It runs in a session of
     its own, so a terminal's Ctrl-C reaches it only through here (not twice), and this driver waits for
     its checkpoint instead of dying first (subprocess.call kills its child on KeyboardInterrupt)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    # not a terminal (`| head`, a log file): the cell's output passes through this driver's stdout and stderr,
+    # so a reader that has gone costs only the output, not the cell (which died of its own broken pipe)
+    piped = {name: not getattr(sys, name).isatty() for name in ("stdout", "stderr")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE if piped["stdout"] else None,
+                            stderr=subprocess.PIPE if piped["stderr"] else None)
+    relays = [threading.Thread(target=_relay, args=(getattr(proc, name), name), daemon=True)
+              for name, on in piped.items() if on]
+    for relay in relays:
+        relay.start()
     stops: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
@@ -679,7 +689,19 @@ def _run_forwarding_stops(cmd: list[str]) -> tuple[int, bool]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    for relay in relays:
+        relay.join()
     return code, bool(stops)  # (a stop that came as the cell ended leaves it finished: its status says so)
+
+
+def _relay(pipe: Any, stream: str) -> None:
+    """Copy a cell's stdout or stderr to this driver's as it comes (its progress lines stay live)."""
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while chunk := os.read(pipe.fileno(), 65536):
+        to = getattr(sys, stream)
+        to.write(decode.decode(chunk))
+        to.flush()
+    pipe.close()
 
 
 def _duration(seconds: float) -> str:
@@ -1063,8 +1085,8 @@ def _stopped_line(cell: Cell, out: Path, code: int) -> str:
     return f"stopped during {cell.key}: {why}, so the same command runs it again from the start"
 
 
-class _StdoutThatMayClose:
-    """sys.stdout for `bench paper ... | head`: once the reader has gone, the rest of what is printed
+class _OutputThatMayClose:
+    """sys.stdout (and stderr) for `bench paper ... | head`: once the reader has gone, the rest of what is printed
     goes to /dev/null and the command goes on (a report still writes table.json and table.png, a
     table run its cells), where the default SIGPIPE killed it before its files were written."""
 
@@ -1094,7 +1116,7 @@ class _StdoutThatMayClose:
 
 
 def main() -> None:
-    sys.stdout = _StdoutThatMayClose(sys.stdout)
+    sys.stdout, sys.stderr = _OutputThatMayClose(sys.stdout), _OutputThatMayClose(sys.stderr)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("table", nargs="?", choices=sorted(TABLES))
     ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",

@@ -509,3 +509,25 @@ def test_a_report_piped_into_head_still_writes_its_files_and_says_which_seeds_it
     scale = subprocess.run([sys.executable, script, "chfl", "--scale", "paper", "--report-only", "--merge", kept,
                             "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
     assert scale.returncode == 2 and "bench paper chfl --scale cpu --report-only --merge" in scale.stderr
+
+
+def test_a_table_run_piped_into_head_still_finishes_its_cells(tmp_path):
+    # an outside trial's: in `bench paper ... 2>&1 | head` the cells wrote their progress to the pipe after its
+    # reader had gone (here grep -m1 leaves after the first round) and died of it, their summary unwritten;
+    # they now write through the driver, which drops output once its reader is gone
+    out = tmp_path / "chfl"
+    script = str(ROOT / "bench" / "paper.py")
+    piped = subprocess.run(f"{sys.executable} {script} chfl --out {out} --cells chfl-iid-s0 --set rounds=3 2>&1 "
+                           "| grep -m1 -q 'round   1/3'", shell=True, capture_output=True, text=True, timeout=600,
+                           executable="/bin/bash", cwd=ROOT)
+    assert piped.returncode == 0 and "Traceback" not in piped.stderr, piped.stderr[-3000:]
+    table = json.loads((out / "table.json").read_text())
+    assert [c["cell"] for c in table["cells"]] == ["chfl-iid-s0"]
+    # to a file, the cell's progress is there in order with the driver's own lines
+    logged = tmp_path / "log.txt"
+    with logged.open("w") as log:
+        again = subprocess.run([sys.executable, script, "chfl", "--out", str(tmp_path / "two"), "--cells", "solo-iid-s0",
+                                "--set", "rounds=2"], stdout=log, stderr=subprocess.PIPE, text=True, timeout=600, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = logged.read_text()
+    assert text.index("solo-iid-s0: starting") < text.index("run directory:") < text.index("CHFL (paper")
