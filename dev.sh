@@ -82,14 +82,18 @@ install_venv() {
     echo "$want $ROOT" > "$stamp"
 }
 
+bench_list() {  # the benchmarks, one a line (common.py is their library, not one)
+    (cd bench && ls *.py | sed 's/\.py$//' | grep -vx common)
+}
+
 bench_names() {
-    echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(cd bench && ls *.py | sed 's/\.py$//' | grep -vx common)
+    echo "usage: ./dev.sh bench NAME [options]; NAME one of:" $(bench_list)
     echo "(./dev.sh bench NAME --help: its options; docs/benchmarks.md: what each measures)"
 }
 
 bench_closest() {
     # the benchmark a mistyped NAME most likely meant (difflib: the standard library's, no venv needed)
-    (cd bench && ls *.py | sed 's/\.py$//' | grep -vx common) | python3 -c '
+    bench_list | python3 -c '
 import difflib, sys
 near = difflib.get_close_matches(sys.argv[1], [line.strip() for line in sys.stdin], n=1)
 print(near[0] if near else "")' "$1" 2>/dev/null || true

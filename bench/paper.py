@@ -997,7 +997,7 @@ def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str, sett
         for x, value, ln in zip(xs, mine, found):
             if value is None:  # a blank bar would read as 0 %
                 ax.text(x - 0.2, 2, ln["state"] if ln else "not run", rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
-            elif ln["seeds_done"] < ln["seeds_asked"]:  # a mean over fewer seeds than its neighbours' says so, as the text does
+            elif ln["seeds_done"] < ln["seeds_asked"]:  # a mean over fewer seeds than asked says so, as the text does
                 ax.text(x - 0.2, 2, f"{ln['seeds_done']} of {ln['seeds_asked']} seeds", rotation=90, ha="center", va="bottom",
                         fontsize=7, color="black")
         ax.set_xticks(xs, rows, rotation=35, ha="right", fontsize=8)

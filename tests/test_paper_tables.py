@@ -512,7 +512,7 @@ def test_a_report_piped_into_head_still_writes_its_files_and_says_which_seeds_it
 
 
 def test_a_table_run_piped_into_head_still_finishes_its_cells(tmp_path):
-    # an outside trial's: in `bench paper ... 2>&1 | head` the cells wrote their progress to the pipe after its
+    # left open by the report's fix above: in `bench paper ... 2>&1 | head` the cells wrote their progress to the pipe after its
     # reader had gone (here grep -m1 leaves after the first round) and died of it, their summary unwritten;
     # they now write through the driver, which drops output once its reader is gone
     out = tmp_path / "chfl"
