@@ -1125,7 +1125,10 @@ def main() -> None:
     ap.add_argument("table", nargs="?", choices=sorted(TABLES))
     ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",
                     help="; ".join(f"{k}: {v}" for k, v in SCALES.items()) + " (default: cpu)")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where the cells train: auto (cuda when torch sees a GPU, else cpu; the default), cpu, or cuda "
+                         "(refused before any cell runs when there is none). A cell's device is recorded with it; a "
+                         "report names the devices its cells ran on")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (CHFL's paper uses five: 0,1,2,3,4)")
     ap.add_argument("--out", type=users_path, default=None,
                     help="the table's folder (default bench/results/paper/<table>-<scale> in the checkout; through ./dev.sh a "

@@ -478,6 +478,25 @@ def test_the_fedavg_row_a_fedmho_cell_fills_counts_the_seeds_asked_of_it(tmp_pat
     assert (rows["FedMHO", "Dir 0.5"]["seeds_done"], rows["FedMHO", "Dir 0.5"]["seeds_asked"]) == (1, 2)
 
 
+def test_the_plot_marks_a_mean_over_fewer_seeds_than_asked_and_a_cell_not_run(tmp_path, monkeypatch):
+    """The bars say what the text says: "1 of 2 seeds" on a mean of one seed where two were asked,
+    "not run" where no seed is done, and nothing on a bar all its seeds filled."""
+    paper = _paper()
+    table = paper.TABLES["chfl"]
+    cells = [c for seed in (0, 1) for c in table.cells("cpu", seed)]
+    done = [c for c in cells if c.seed == 0][:2] + [c for c in cells if c.seed == 1][:1]
+    merged = {c.key: {"cell": c.key, "row": c.row, "column": c.column, "seed": c.seed, "metric": "final",
+                      "accuracy": {c.row: 0.9}, "from": "earlier.json", "commit": "abc"} for c in done}
+    figures = []
+    monkeypatch.setattr(paper, "save_figure", lambda fig, path: figures.append(fig) or path)
+    payload = paper.report("chfl", table, cells, tmp_path, "cpu", "auto", [], seeds=[0, 1], report_only=True, merged=merged)
+    marks = [t.get_text() for ax in figures[0].axes for t in ax.texts]
+    lines = {(ln["row"], ln["column"]): ln for ln in payload["rows"]}
+    both, one = (done[0].row, done[0].column), (done[1].row, done[1].column)
+    assert (lines[both]["seeds_done"], lines[one]["seeds_done"]) == (2, 1), lines
+    assert marks.count("1 of 2 seeds") == 1 and marks.count("not run") == len(lines) - 2, marks
+
+
 def test_a_report_piped_into_head_still_writes_its_files_and_says_which_seeds_it_left_out(tmp_path):
     # an outside trial's: `--report-only ... | head` was killed by SIGPIPE before table.json and
     # table.png were written, and "seeds not asked for" did not say which
