@@ -929,9 +929,12 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
               + "; ".join(shadowed[:4]) + (f" and {len(shadowed) - 4} more" if len(shadowed) > 4 else ""))
     earlier = [d for d in done if d.get("from")]
     if earlier:
-        print(f"{len(earlier)} cell(s) from earlier sittings: "
-              + "; ".join(f"{d['cell']} ({d['from']}, commit {d.get('commit')})" for d in earlier[:4])
-              + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else ""))
+        by_file: dict[str, list[dict[str, Any]]] = {}
+        for d in earlier:  # grouped by the file they came from: one path per cell was a wall of text for 21 cells
+            by_file.setdefault(str(d["from"]), []).append(d)
+        print(f"{len(earlier)} cell(s) from earlier sittings: " + "; ".join(
+            f"{len(these)} from {path} (commit(s) {', '.join(sorted({str(d.get('commit')) for d in these}))})"
+            for path, these in by_file.items()))
     if otherwise:
         print(f"not counted: {len(otherwise)} cell(s) ran with another config than asked: "
               + "; ".join(f"{key} ({why})" for key, why in list(otherwise.items())[:3]) + " (pass the --set they ran with)")
@@ -941,7 +944,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                    + (", once the cells not counted are moved away" if otherwise else "")
                    if report_only else "--cells left some out: the same command without --cells goes on" if unselected
                    else "the same command goes on")
-        print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way ({goes_on})")
+        cost = table.cost.get(scale)  # going on is hours at some tables' scales: say so before someone types it
+        print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way ({goes_on})"
+              + (f"; where measured: {cost}" if cost else ""))
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
                "missing": missing, "partial": [p for v in partial.values() for p in v],

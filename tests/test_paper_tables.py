@@ -282,7 +282,9 @@ def test_a_table_is_filled_from_an_earlier_sittings_table_json_each_cell_checked
     row = {(ln["row"], ln["column"]): ln for ln in table["rows"]}
     assert row[("CHFL", "iid")]["ours"] == [100 * earlier["cells"][0]["accuracy"]["CHFL"]]
     assert row[("SOLO", "iid")]["state"] == "done" and table["merged_from"] == [str(first / "table.json")]
-    assert "1 cell(s) from earlier sittings" in both.stdout
+    assert f"1 cell(s) from earlier sittings: 1 from {first / 'table.json'} (commit(s) " in both.stdout
+    # cells still to run: the report says what a cell costs where measured (hours at some tables' scales)
+    assert "not finished:" in both.stdout and "; where measured: " in both.stdout
 
     paper = _paper()  # the refusals in this process: each a command's seconds of start-up otherwise
 
