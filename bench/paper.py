@@ -43,7 +43,8 @@ often than every round is probed evaluating every third round, so that an evalua
 ``--scale paper`` is the papers' setting (for a GPU: it is days of CPU time); ``--scale cpu`` keeps
 every choice but the length, the number of devices, the models' width, the local epochs and the
 data (600 images a device and a 2,000-image test subset where the paper's are larger; FedIN also
-trains a quarter of its devices a round, not a tenth): ``--list`` gives each table's setting. docs/benchmarks.md
+trains a quarter of its devices a round, not a tenth; FedMHO keeps the whole training set and FedHe
+the authors' contiguous tenths; CHFL's data set is small enough that its cpu scale is the paper's): ``--list`` gives each table's setting. docs/benchmarks.md
 says which rows were measured where; a row no GPU ran stays "not measured".
 """
 
@@ -256,7 +257,8 @@ TABLES: dict[str, Table] = {
          "paper": "about 30 h a seed on an H200 (estimated from a probe)"}),
     "felo-velo": Table(
         "Felo and Velo (paper 000) against FedAvg-groups: 20 devices, five ResNet depths, 20 % a round",
-        "Fashion-MNIST here; the paper's rows are CIFAR-10 (not on this machine)",
+        "Fashion-MNIST here, IID and Dirichlet(0.5); the paper's rows are CIFAR-10 (not on this machine); the paper gives "
+        "no FedAvg-groups number",
         {("Velo", "iid"): 76.33, ("Felo", "iid"): 76.10, ("Velo", "dirichlet"): 57.17, ("Felo", "dirichlet"): 56.88},
         "paper Table 1, CIFAR-10", _felo_velo, ["iid", "dirichlet"],
         {"cpu": "2.1-4.8 min a cell, 6 cells a seed, on a 2-core CPU", "paper": "about 3.2 h a seed on an H200 (estimated from a probe)"}),
@@ -278,7 +280,7 @@ TABLES: dict[str, Table] = {
         {("CHFL", "iid"): 89.88, ("SOLO", "iid"): 81.85, ("AVG", "iid"): 82.65,
          ("CHFL", "non-iid"): 90.66, ("SOLO", "non-iid"): 71.40, ("AVG", "non-iid"): 78.56},
         "paper Table 1, BCD", _chfl, ["iid", "non-iid"],
-        {scale: "about 10 s a cell, 6 cells a seed, on a 2-core CPU (the paper's own scale)" for scale in ("cpu", "paper")}),
+        {scale: "4-46 s a cell (most about 5), 6 cells a seed, on a 2-core CPU (the paper's own scale)" for scale in ("cpu", "paper")}),
 }
 
 
@@ -898,7 +900,9 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     # the cells' own devices, not the flag: a report may show cells run elsewhere (or none, asked for cuda)
     where = (f"cells ran on {', '.join(ran_on)}" if ran_on else "no cell done yet") if report_only else \
         f"device {device}" + (f" (the cells shown ran on {', '.join(ran_on)})" if ran_on and ran_on != [device] else "")
-    print(f"\n{table.title}\n{table.note}\nscale {scale}, {where}; the paper's numbers: {table.paper_source}")
+    same = [c.config for c in table.cells("cpu", 0)] == [c.config for c in table.cells("paper", 0)]
+    print(f"\n{table.title}\n{table.note}\nscale {scale}" + (" (for this table the paper's own)" if same else "")
+          + f", {where}; the paper's numbers: {table.paper_source}")
     if overrides:
         print(f"overridden for every cell: {', '.join(overrides)} (not the table's setting: a smoke run, not a row to compare)")
     lines, shown = [], {}
@@ -911,7 +915,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                 f"stopped at {stopped[0]['rounds_played']}/{stopped[0]['rounds']}" if stopped else state
             if mine and len(mine) < asked.get((row, column), 0):  # a mean over fewer seeds than asked for says so
                 ours += f" [{len(mine)} of {asked[row, column]} seeds]"
-            shown[row, column] = f"{ours} ({'-' if theirs is None else f'{theirs:.2f}'})"
+            shown[row, column] = f"{ours} ({'not in paper' if theirs is None else f'{theirs:.2f}'})"
             lines.append({"row": row, "column": column, "ours": mine, "ours_mean": statistics.fmean(mine) if mine else None,
                           "seeds_done": len(mine), "seeds_asked": asked.get((row, column), 0), "paper": theirs,
                           "state": state})
@@ -945,8 +949,12 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                    if report_only else "--cells left some out: the same command without --cells goes on" if unselected
                    else "the same command goes on")
         cost = table.cost.get(scale)  # going on is hours at some tables' scales: say so before someone types it
-        print(f"not finished: {len(missing)} cell(s) not started, {sum(len(v) for v in partial.values())} stopped part-way ({goes_on})"
-              + (f"; where measured: {cost}" if cost else ""))
+        stopped = [p["cell"] for v in partial.values() for p in v]
+        named = "; ".join(part for part in (
+            f"{len(missing)} not started ({', '.join(missing[:6])}{f' and {len(missing) - 6} more' if len(missing) > 6 else ''})" if missing else "",
+            f"{len(stopped)} stopped part-way ({', '.join(stopped[:6])}{f' and {len(stopped) - 6} more' if len(stopped) > 6 else ''})"
+            if stopped else "") if part)
+        print(f"not finished: {named} ({goes_on})" + (f"; where measured: {cost}" if cost else ""))
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
                "missing": missing, "partial": [p for v in partial.values() for p in v],
@@ -966,13 +974,14 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     written.write_text(json.dumps(payload, indent=2, default=str))
     os.replace(written, out / "table.json")
     print(f"wrote {out / 'table.json'}")
-    figure = plot(table, lines, out / "table.png", scale, _setting(_asked(cells[0], device, overrides)) if cells else "", overrides)
+    figure = plot(table, lines, out / "table.png", scale, _setting(_asked(cells[0], device, overrides)) if cells else "", overrides,
+                  seeds_in)
     print(f"wrote {figure}")
     return payload
 
 
 def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str, setting: str = "",
-         overrides: list[str] | None = None) -> Path:
+         overrides: list[str] | None = None, seeds: list[int] | None = None) -> Path:
     """The table as bars, ours (mean over seeds, +- sd when there are several) beside the paper's;
     the title says at which scale and setting ours ran, a cell not run is marked so, and so is a mean over
     fewer seeds than were asked for."""
@@ -986,7 +995,9 @@ def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str, sett
     rows = list(dict.fromkeys(ln["row"] for ln in lines))
     width = 3.4 * len(table.columns) + 1.5
     fig, axes = plt.subplots(1, len(table.columns), figsize=(width, 4.6), squeeze=False, sharey=True)
-    ours_label = f"edgefl, --scale {scale}" + (" with --set (a smoke run)" if overrides else "")
+    # the legend says what a bar and its cap are: a mean over which seeds, +- one sd
+    over = (f", seed {seeds[0]}" if len(seeds) == 1 else f", mean +- sd over seeds {','.join(map(str, seeds))}") if seeds else ""
+    ours_label = f"edgefl, --scale {scale}{over}" + (" with --set (a smoke run)" if overrides else "")
     for ax, column in zip(axes[0], table.columns):
         found = [next((ln for ln in lines if ln["row"] == r and ln["column"] == column), None) for r in rows]
         mine = [ln["ours_mean"] if ln else None for ln in found]
@@ -1005,6 +1016,9 @@ def plot(table: Table, lines: list[dict[str, Any]], path: Path, scale: str, sett
             elif ln["seeds_done"] < ln["seeds_asked"]:  # a mean over fewer seeds than asked says so, as the text does
                 ax.text(x - 0.2, 2, f"{ln['seeds_done']} of {ln['seeds_asked']} seeds", rotation=90, ha="center", va="bottom",
                         fontsize=7, color="black")
+        for x, value in zip(xs, theirs):
+            if value is None:  # an empty slot read as a bar lost
+                ax.text(x + 0.2, 2, "not in paper", rotation=90, ha="center", va="bottom", fontsize=7, color="C7")
         ax.set_xticks(xs, rows, rotation=35, ha="right", fontsize=8)
         ax.set_title(column, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
@@ -1025,6 +1039,10 @@ def _setting(config: dict[str, Any]) -> str:
     devices = sum(int(g.get("count", 1)) for g in groups)
     widths = sorted({g["options"]["width"] for g in groups if "width" in (g.get("options") or {})})  # models that have one
     epochs = sorted({(g.get("train") or {}).get("epochs") or (config.get("train") or {}).get("epochs") or 1 for g in groups})
+    train = config.get("train") or {}
+    # a round cut to a few batches (FedHe's authors' iterations) is not an epoch: "1 local epoch(s)" misread it
+    local = (f"{train['max_steps']} batches of {train.get('batch_size', '?')} a round" if train.get("max_steps")
+             else f"{'/'.join(str(e) for e in epochs)} local epoch(s)")
     rounds = config["rounds"]
     per_round = (config.get("fleet") or {}).get("sample_ratio")
     picked = max(1, round(per_round * devices)) if per_round else devices
@@ -1035,12 +1053,13 @@ def _setting(config: dict[str, Any]) -> str:
     cut = ", ".join(([f"{data['samples_per_client']} images a device"] if data.get("samples_per_client") else [])
                     + ([f"a {data['test_samples']:,}-sample test subset"] if data.get("test_samples") else []))
     return (f"{length}, {devices} devices{share}" + (f", width {'/'.join(f'{w:g}' for w in widths)}" if widths else "")
-            + f", {'/'.join(str(e) for e in epochs)} local epoch(s)" + (f", {cut}" if cut else ""))
+            + f", {local}" + (f", {cut}" if cut else ""))
 
 
 SCALES = {"paper": "the paper's length, devices, widths and epochs: a GPU's work",
           "cpu": "every choice of the paper's but length, devices, widths, epochs and data (600 images a device, a 2,000-image "
-                 "test subset; FedIN: a quarter of the devices a round; FedMHO: the whole data set), cut to fit a 2-core CPU"}
+                 "test subset; FedIN: a quarter of the devices a round; FedMHO: the whole data set; FedHe: the authors' contiguous "
+                 "tenths, about 6,000 images a device), cut to fit a 2-core CPU; CHFL's cpu scale is the paper's"}
 
 
 def _seeds(text: str, ap: argparse.ArgumentParser) -> list[int]:
@@ -1134,13 +1153,14 @@ def main() -> None:
                     help="where the cells train: auto (cuda when torch sees a GPU, else cpu; the default), cpu, or cuda "
                          "(refused before any cell runs when there is none). A cell's device is recorded with it; a "
                          "report names the devices its cells ran on")
-    ap.add_argument("--seeds", default="0", help="comma-separated seeds (CHFL's paper uses five: 0,1,2,3,4)")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0 alone; CHFL's paper uses five: 0,1,2,3,4)")
     ap.add_argument("--out", type=users_path, default=None,
                     help="the table's folder (default bench/results/paper/<table>-<scale> in the checkout; through ./dev.sh a "
                          "relative --out or --merge is taken from the folder you ran it in)")
     ap.add_argument("--cells", default=None, help="run only these cells (keys as listed by --list); the report still covers "
                                                    "every cell of the seeds, those not run shown as such")
-    ap.add_argument("--report-only", action="store_true", help="no training: the table from the cells done so far")
+    ap.add_argument("--report-only", action="store_true", help="no training: the table from the cells done so far, in --out's folder (which must exist) and in "
+                         "the --merge files (either will do)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="override a key of every cell's config, e.g. --set rounds=5 (a smoke run: use its own --out)")
     ap.add_argument("--list", action="store_true", help="the tables, their settings and their cells")
@@ -1183,7 +1203,10 @@ def main() -> None:
     if out.exists() and not out.is_dir():
         ap.error(f"--out {out} is a file: the table's folder holds its cells' run directories and table.json (name a folder)")
     if args.report_only and not out.is_dir() and not args.merge:
-        ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale)")
+        ap.error(f"{out} does not exist: --report-only reads the cells a table run wrote there (check --out and --scale, "
+                 "or pass an earlier sitting's table.json with --merge)"
+                 + ("; no cell of this table has run at --scale paper here: its rows are not measured on this machine "
+                    "(docs/benchmarks.md 25 says which rows ran where)" if args.scale == "paper" else ""))
     if (out / "table.json").exists() and not (out / "table.json").is_file():  # (a pipe would be read without end)
         ap.error(f"--out {out}: its table.json is not a regular file (a pipe, a device or a folder): move it aside")
     other = _other_table(out, args.table, args.scale)

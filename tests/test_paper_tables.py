@@ -71,7 +71,7 @@ def test_a_table_runs_its_cells_skips_the_finished_ones_and_records_the_paper_be
     more = subprocess.run([sys.executable, str(ROOT / "bench" / "paper.py"), "chfl", "--out", str(out), "--cells",
                            "chfl-iid-s0,chfl-iid-s1", "--seeds", "0,1", "--report-only", "--set", "rounds=3"], capture_output=True, text=True, timeout=120)
     assert more.returncode == 0, more.stderr[-2000:]
-    assert "[1 of 2 seeds]" in more.stdout and "10 cell(s) not started" in more.stdout
+    assert "[1 of 2 seeds]" in more.stdout and "10 not started (" in more.stdout
     table = json.loads((out / "table.json").read_text())
     assert table["seeds"] == [0, 1] and "chfl-iid-s1" in table["missing"] and len(table["missing"]) == 10
     assert table["cells"][0]["commit"] and table["cell_commits"]  # the code each cell ran
@@ -194,7 +194,7 @@ def test_the_list_says_what_each_scale_sets():
     script = str(ROOT / "bench" / "paper.py")
     paper = subprocess.run([sys.executable, script, "--list", "--scale", "paper"], capture_output=True, text=True, timeout=120)
     cpu = subprocess.run([sys.executable, script, "--list", "--scale", "cpu"], capture_output=True, text=True, timeout=120)
-    assert "at --scale paper: 50000 rounds of one device each (the authors' iterations), 10 devices, 1 local" in paper.stdout
+    assert "at --scale paper: 50000 rounds of one device each (the authors' iterations), 10 devices, 3 batches of 50 a round" in paper.stdout
     assert "at --scale cpu: 2000 rounds of one device each (the authors' iterations), 10 devices, width 0.25" in cpu.stdout
     assert "at --scale paper: 1 round (one-shot), 10 devices, width 1, 40/200 local epoch(s)" in paper.stdout  # FedMHO
     assert "cost: about 30 min a seed on an H200" in paper.stdout and "cost: 5-9 min a cell" in cpu.stdout
@@ -497,6 +497,13 @@ def test_the_plot_marks_a_mean_over_fewer_seeds_than_asked_and_a_cell_not_run(tm
     both, one = (done[0].row, done[0].column), (done[1].row, done[1].column)
     assert (lines[both]["seeds_done"], lines[one]["seeds_done"]) == (2, 1), lines
     assert marks.count("1 of 2 seeds") == 1 and marks.count("not run") == len(lines) - 2, marks
+    legend = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+    assert legend[0] == "edgefl, --scale cpu, mean +- sd over seeds 0,1", legend
+    figures.clear()  # Felo/Velo's paper gives no FedAvg-groups number: its slot says so, not an empty bar
+    (tmp_path / "fv").mkdir()
+    paper.report("felo-velo", paper.TABLES["felo-velo"], paper.TABLES["felo-velo"].cells("cpu", 0), tmp_path / "fv", "cpu",
+                 "auto", [], seeds=[0], report_only=True, merged={})
+    assert [t.get_text() for ax in figures[0].axes for t in ax.texts].count("not in paper") == 2  # one row, two columns
 
 
 def test_a_report_piped_into_head_still_writes_its_files_and_says_which_seeds_it_left_out(tmp_path):
