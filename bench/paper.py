@@ -848,6 +848,11 @@ def _commit() -> str:
     return source_commit() or "unknown"
 
 
+def _first_few(names: list[str], shown: int, sep: str = ", ") -> str:
+    """A list cut for a line of text: the first ``shown`` names and how many more."""
+    return sep.join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, device: str, overrides: list[str],
            seeds: list[int] | None = None, report_only: bool = False,
            merged: dict[str, dict[str, Any]] | None = None, held: list[dict[str, Any]] | None = None,
@@ -930,7 +935,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
           f"seed {seeds_in[0]} alone)" if len(seeds_in) == 1 else f"mean +- sd over seeds {','.join(map(str, seeds_in))})"))
     if shadowed:
         print(f"{len(shadowed)} merged cell(s) finished in {out} too; the run directories there count, not the merged results: "
-              + "; ".join(shadowed[:4]) + (f" and {len(shadowed) - 4} more" if len(shadowed) > 4 else ""))
+              + _first_few(shadowed, 4, "; "))
     earlier = [d for d in done if d.get("from")]
     if earlier:
         by_file: dict[str, list[dict[str, Any]]] = {}
@@ -950,10 +955,8 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
                    else "the same command goes on")
         cost = table.cost.get(scale)  # going on is hours at some tables' scales: say so before someone types it
         stopped = [p["cell"] for v in partial.values() for p in v]
-        named = "; ".join(part for part in (
-            f"{len(missing)} not started ({', '.join(missing[:6])}{f' and {len(missing) - 6} more' if len(missing) > 6 else ''})" if missing else "",
-            f"{len(stopped)} stopped part-way ({', '.join(stopped[:6])}{f' and {len(stopped) - 6} more' if len(stopped) > 6 else ''})"
-            if stopped else "") if part)
+        named = "; ".join(f"{len(keys)} {what} ({_first_few(keys, 6)})"
+                          for what, keys in (("not started", missing), ("stopped part-way", stopped)) if keys)
         print(f"not finished: {named} ({goes_on})" + (f"; where measured: {cost}" if cost else ""))
     payload = {"table": name, "title": table.title, "note": table.note, "paper_source": table.paper_source, "scale": scale,
                "seeds": seeds if seeds is not None else sorted({c.seed for c in cells}),
