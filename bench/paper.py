@@ -247,13 +247,13 @@ TABLES: dict[str, Table] = {
         "the authors' split (contiguous tenths), one client per iteration, 3 batches of 50, Adam 1e-3 kept per client, alpha 1 (MSE); "
         "paper rows are MNIST, ours Fashion-MNIST (no MNIST copy here)",
         {("FedHe", "contiguous"): 98.5, ("Private", "contiguous"): 98.0}, "paper Table II, MNIST", _fedhe, ["contiguous"],
-        {"cpu": "5-9 min a cell, 2 cells a seed, on a 2-core CPU", "paper": "about 30 min a seed on an H200 (measured)"}),
+        {"cpu": "5-9 min a cell, 2 cells a seed, on a 2-core CPU", "paper": "about 30 min a seed on an H200 (estimated from a 30-second probe of each cell)"}),
     "fedin": Table(
         "FedIN (paper 001) Table 1: 100 devices, ResNet10/14/18/22/26, 500 rounds, 5 local epochs",
         "Fashion-MNIST, IID and Dirichlet(0.5); FedAvg with the same layer-wise aggregation, no IN, no prox",
         {("FedIN", "iid"): 91.2, ("FedIN", "dirichlet"): 90.3, ("FedAvg", "iid"): 90.3, ("FedAvg", "dirichlet"): 89.4},
         "paper Table 1, Fashion-MNIST", _fedin, ["iid", "dirichlet"],
-        {"cpu": "1.3-3.6 min a cell (FedIN about 3, FedAvg 1.4), 4 cells a seed, on a 2-core CPU",
+        {"cpu": "1.3-3.6 min a cell (FedIN about 3, FedAvg 1.4; 6-7 with tests beside it), 4 cells a seed, on a 2-core CPU",
          "paper": "about 30 h a seed on an H200 (estimated from a probe)"}),
     "felo-velo": Table(
         "Felo and Velo (paper 000) against FedAvg-groups: 20 devices, five ResNet depths, 20 % a round",
@@ -271,7 +271,7 @@ TABLES: dict[str, Table] = {
         "paper Table IV, Fashion-MNIST", _fedmho, ["Dir 0.5", "Dir 0.3", "Dir 0.1"],
         {"cpu": "11-51 min a cell that trains its clients (on an AVX-512 Xeon: FedMHO Dir 0.5 15, Dir 0.3 29, FEDCVAE "
                 "Dir 0.5 15; on an AVX-512 EPYC: FEDCVAE Dir 0.3 12; on an AVX2 EPYC, Dir 0.1: FedMHO 34, FEDCVAE 11 alone, "
-                "51 with other work beside it), 5-11 min one that fuses a sibling's "
+                "51 with other work beside it, seed 1 Dir 0.3: FedMHO 44), 5-11 min one that fuses a sibling's "
                 "kept clients; 6 of a seed's 12 cells train, on a 2-core CPU",
          "paper": "not measured (no round in a 45 s probe on an H200); 6 of a seed's 12 cells train their clients"}),
     "chfl": Table(
@@ -418,8 +418,26 @@ def _merged_entry(raw: Any, cell: Cell, rows: set[str], where: str) -> dict[str,
     if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float)) or wall < 0
                              or (isinstance(wall, int) and wall > 10**9) or not math.isfinite(wall)):
         raise MergeRefused(f"{said}'s wall_time_s is {json.dumps(wall)[:20]}, not a number of seconds")
+    fused = _merged_clients_from(raw.get("clients_from"), kept["config"], said)
     return {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": cell.seed, "metric": cell.metric,
-            "accuracy": {str(r): v for r, v in accuracy.items()}, **kept}
+            "accuracy": {str(r): v for r, v in accuracy.items()}, **kept, **fused}
+
+
+def _merged_clients_from(told: Any, config: dict[str, Any] | None, said: str) -> dict[str, Any]:
+    """The run whose clients a merged cell fused, kept through a merge (it was dropped, and each
+    sitting's table lost it); a cell merged before that keeps it only in its config's path, whose
+    last part is the run's name (its commit is not recorded there)."""
+    if told is None:
+        path = ((config or {}).get("simulation") or {}).get("clients_from")
+        if not isinstance(path, str) or not path.strip("/"):
+            return {}
+        told = {"run": Path(path).name, "commit": None}
+    run, commit = (told.get("run"), told.get("commit")) if isinstance(told, dict) else (None, None)
+    if not isinstance(run, str) or not run or (commit is not None and not isinstance(commit, str)):
+        raise MergeRefused(f"{said}'s clients_from is not {{\"run\": a string, \"commit\": a string or null}} "
+                           f"(got {_json_kind(told)})",
+                           hint="merge the table.json a `bench paper` run wrote, as it wrote it")
+    return {"clients_from": {"run": printable(run, 120), "commit": None if commit is None else printable(commit, 60)}}
 
 
 def _read_table_json(path: Path) -> dict[str, Any]:
@@ -444,13 +462,22 @@ def _read_table_json(path: Path) -> dict[str, Any]:
     return held
 
 
+def _seeds_flag(seeds: Any) -> str:
+    """" --seeds 0,1" for the seeds a table.json records (a hint without it shows seed 0 alone), or ""."""
+    if not (isinstance(seeds, list) and 0 < len(seeds) <= 64
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 10**6 for x in seeds)):
+        return ""
+    return f" --seeds {','.join(map(str, seeds))}" if seeds != [0] else ""
+
+
 def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str) -> list[str]:
     """Refuse a table.json of another table or scale than this command's; the --set list it records."""
     if (held.get("table"), held.get("scale")) != (name, scale):
         theirs = ("no table and scale" if held.get("table") is None and held.get("scale") is None else
                   f"the {printable(held.get('table'), 40)} table at --scale {printable(held.get('scale'), 20)}")
         fix = (f"merge it into a report of its own table and scale (bench paper {printable(held.get('table'), 40)} --scale "
-               f"{printable(held.get('scale'), 20)} --report-only --merge {path})" if isinstance(held.get("table"), str)
+               f"{printable(held.get('scale'), 20)}{_seeds_flag(held.get('seeds'))} --report-only --merge {path})"
+               if isinstance(held.get("table"), str)
                and isinstance(held.get("scale"), str) else "merge the table.json a `bench paper` run wrote, as it wrote it")
         raise MergeRefused(f"{path} holds {theirs}, not {name} at --scale {scale}", hint=fix)
     theirs_set = held.get("overrides")
@@ -1041,11 +1068,14 @@ def _setting(config: dict[str, Any]) -> str:
     groups = (config.get("fleet") or {}).get("groups") or []
     devices = sum(int(g.get("count", 1)) for g in groups)
     widths = sorted({g["options"]["width"] for g in groups if "width" in (g.get("options") or {})})  # models that have one
-    epochs = sorted({(g.get("train") or {}).get("epochs") or (config.get("train") or {}).get("epochs") or 1 for g in groups})
     train = config.get("train") or {}
+    # each model's epochs by name where they differ ("10/40" read as 40/200 at the other scale, swapped)
+    by_model = {str(g.get("model")): (g.get("train") or {}).get("epochs") or train.get("epochs") or 1 for g in groups}
+    epochs = sorted(set(by_model.values()))
     # a round cut to a few batches (FedHe's authors' iterations) is not an epoch: "1 local epoch(s)" misread it
     local = (f"{train['max_steps']} batches of {train.get('batch_size', '?')} a round" if train.get("max_steps")
-             else f"{'/'.join(str(e) for e in epochs)} local epoch(s)")
+             else f"{epochs[0] if epochs else 1} local epoch(s)" if len(epochs) <= 1
+             else "local epochs " + ", ".join(f"{m} {e}" for m, e in by_model.items()))
     rounds = config["rounds"]
     per_round = (config.get("fleet") or {}).get("sample_ratio")
     picked = max(1, round(per_round * devices)) if per_round else devices

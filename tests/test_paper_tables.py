@@ -196,7 +196,7 @@ def test_the_list_says_what_each_scale_sets():
     cpu = subprocess.run([sys.executable, script, "--list", "--scale", "cpu"], capture_output=True, text=True, timeout=120)
     assert "at --scale paper: 50000 rounds of one device each (the authors' iterations), 10 devices, 3 batches of 50 a round" in paper.stdout
     assert "at --scale cpu: 2000 rounds of one device each (the authors' iterations), 10 devices, width 0.25" in cpu.stdout
-    assert "at --scale paper: 1 round (one-shot), 10 devices, width 1, 40/200 local epoch(s)" in paper.stdout  # FedMHO
+    assert "at --scale paper: 1 round (one-shot), 10 devices, width 1, local epochs vgg9 200, cvae-small 40" in paper.stdout  # FedMHO
     assert "cost: about 30 min a seed on an H200" in paper.stdout and "cost: 5-9 min a cell" in cpu.stdout
     assert cpu.stdout.startswith("--scale cpu: every choice of the paper's but") and "--scale paper lists the other" in cpu.stdout
     one = subprocess.run([sys.executable, script, "fedin", "--list"], capture_output=True, text=True, timeout=120)
@@ -464,6 +464,24 @@ def test_fedmho_cells_of_one_alpha_and_seed_train_their_clients_once(tmp_path):
     assert paper._with_clients(md, asked, tmp_path, started, siblings)["simulation"]["keep_clients"] is True
     had = validate_config(then, "sd").to_dict()
     assert paper.differs_from_asked(had, sd, "auto", []) is None
+
+
+def test_a_merged_cell_keeps_the_run_whose_clients_it_fused():
+    """clients_from goes on through a merge (it was dropped, so every later sitting's table lost
+    it); a cell merged before that has it back from its config's path; a malformed one is refused."""
+    paper = _paper()
+    cell = {c.key: c for c in paper.TABLES["fedmho"].cells("cpu", 0)}["fedmho-md-a0.5-s0"]
+    raw = {"cell": cell.key, "row": cell.row, "column": cell.column, "seed": 0, "metric": "final",
+           "accuracy": {cell.row: 0.7}, "commit": "abc"}
+    told = paper._merged_entry({**raw, "clients_from": {"run": "fedmho-a0.5-s0", "commit": "abc"}}, cell, set(), "x.json")
+    assert told["clients_from"] == {"run": "fedmho-a0.5-s0", "commit": "abc"}
+    config = {"simulation": {"clients_from": "/tmp/w05/bench/results/paper/fedmho-cpu/fedmho-a0.5-s0"}}
+    assert paper._merged_entry({**raw, "config": config}, cell, set(), "x.json")["clients_from"] == {
+        "run": "fedmho-a0.5-s0", "commit": None}
+    assert "clients_from" not in paper._merged_entry(raw, cell, set(), "x.json")  # a cell that trained its own
+    for bad in ("fedmho-a0.5-s0", {"run": 3}, {"run": "r", "commit": 5}):
+        with pytest.raises(paper.MergeRefused, match="clients_from is not"):
+            paper._merged_entry({**raw, "clients_from": bad}, cell, set(), "x.json")
 
 
 def test_the_fedavg_row_a_fedmho_cell_fills_counts_the_seeds_asked_of_it(tmp_path):
