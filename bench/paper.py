@@ -933,8 +933,10 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     where = (f"cells ran on {', '.join(ran_on)}" if ran_on else "no cell done yet") if report_only else \
         f"device {device}" + (f" (the cells shown ran on {', '.join(ran_on)})" if ran_on and ran_on != [device] else "")
     same = [c.config for c in table.cells("cpu", 0)] == [c.config for c in table.cells("paper", 0)]
+    # the title is the paper's setting: say this scale's beside it (it was only in the plot)
+    setting = _setting(_asked(cells[0], device, overrides)) if cells else ""
     print(f"\n{table.title}\n{table.note}\nscale {scale}" + (" (for this table the paper's own)" if same else "")
-          + f", {where}; the paper's numbers: {table.paper_source}")
+          + (f": {setting}" if setting and not same else "") + f"; {where}; the paper's numbers: {table.paper_source}")
     if overrides:
         print(f"overridden for every cell: {', '.join(overrides)} (not the table's setting: a smoke run, not a row to compare)")
     lines, shown = [], {}
@@ -1004,8 +1006,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     written.write_text(json.dumps(payload, indent=2, default=str))
     os.replace(written, out / "table.json")
     print(f"wrote {out / 'table.json'}")
-    figure = plot(table, lines, out / "table.png", scale, _setting(_asked(cells[0], device, overrides)) if cells else "", overrides,
-                  seeds_in)
+    figure = plot(table, lines, out / "table.png", scale, setting, overrides, seeds_in)
     print(f"wrote {figure}")
     return payload
 
