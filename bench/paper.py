@@ -269,8 +269,8 @@ TABLES: dict[str, Table] = {
                                             "FedMHO": (75.30, 72.36, 62.14), "FedMHO-MD": (77.27, 75.69, 71.04),
                                             "FedMHO-SD": (77.73, 76.45, 69.65)}.items() for a, v in zip((0.5, 0.3, 0.1), vals)},
         "paper Table IV, Fashion-MNIST", _fedmho, ["Dir 0.5", "Dir 0.3", "Dir 0.1"],
-        {"cpu": "11-51 min a cell that trains its clients (on an AVX-512 Xeon: FedMHO Dir 0.5 15, Dir 0.3 29, FEDCVAE "
-                "Dir 0.5 15; on an AVX-512 EPYC: FEDCVAE Dir 0.3 12; on an AVX2 EPYC, Dir 0.1: FedMHO 34, FEDCVAE 11 alone, "
+        {"cpu": "11-51 min a cell that trains its clients (on an AVX-512 Xeon: FedMHO Dir 0.5 15, Dir 0.3 29, Dir 0.1 22, FEDCVAE "
+                "Dir 0.5 15, Dir 0.1 12; on an AVX-512 EPYC: FEDCVAE Dir 0.3 12; on an AVX2 EPYC, Dir 0.1: FedMHO 34, FEDCVAE 11 alone, "
                 "51 with other work beside it, seed 1 Dir 0.3: FedMHO 44), 5-11 min one that fuses a sibling's "
                 "kept clients; 6 of a seed's 12 cells train, on a 2-core CPU",
          "paper": "not measured (no round in a 45 s probe on an H200); 6 of a seed's 12 cells train their clients"}),

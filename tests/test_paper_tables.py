@@ -554,7 +554,7 @@ def test_a_report_piped_into_head_still_writes_its_files_and_says_which_seeds_it
     assert bad.returncode == 2 and f"{empty} is empty: not a table.json" in bad.stderr
     scale = subprocess.run([sys.executable, script, "chfl", "--scale", "paper", "--report-only", "--merge", kept,
                             "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
-    assert scale.returncode == 2 and "bench paper chfl --scale cpu --report-only --merge" in scale.stderr
+    assert scale.returncode == 2 and "bench paper chfl --scale cpu --seeds 0,1,2,3,4 --report-only --merge" in scale.stderr
 
 
 def test_a_table_run_piped_into_head_still_finishes_its_cells(tmp_path):
