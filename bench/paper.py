@@ -462,10 +462,14 @@ def _read_table_json(path: Path) -> dict[str, Any]:
     return held
 
 
+def _is_seed(value: Any) -> bool:
+    """A seed as a table.json records one (true and false are ints to Python, not seeds)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**6
+
+
 def _seeds_flag(seeds: Any) -> str:
     """" --seeds 0,1" for the seeds a table.json records (a hint without it shows seed 0 alone), or ""."""
-    if not (isinstance(seeds, list) and 0 < len(seeds) <= 64
-            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 10**6 for x in seeds)):
+    if not (isinstance(seeds, list) and 0 < len(seeds) <= 64 and all(map(_is_seed, seeds))):
         return ""
     return f" --seeds {','.join(map(str, seeds))}" if seeds != [0] else ""
 
@@ -569,7 +573,7 @@ def load_merged(paths: list[Path], name: str, table: Table, scale: str, cells: l
             if entry is None:
                 unasked += 1
                 seed = raw.get("seed") if isinstance(raw, dict) else None
-                if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 10**6:
+                if _is_seed(seed):
                     unasked_seeds.add(seed)
                 hold(raw, path, own)
                 continue
