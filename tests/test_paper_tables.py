@@ -484,6 +484,19 @@ def test_a_merged_cell_keeps_the_run_whose_clients_it_fused():
             paper._merged_entry({**raw, "clients_from": bad}, cell, set(), "x.json")
 
 
+def test_a_report_says_its_scales_setting_and_a_merge_hint_names_the_files_seeds(tmp_path, capsys):
+    """The header says the setting this scale ran beside the paper's title (which names the paper's
+    length); the hint to report another scale's file names its seeds, and nothing for a hostile list."""
+    paper = _paper()
+    table = paper.TABLES["fedmho"]
+    paper.report("fedmho", table, table.cells("cpu", 0), tmp_path, "cpu", "auto", [], seeds=[0], report_only=True, merged={})
+    assert "scale cpu: 1 round (one-shot), 10 devices, width 0.5, local epochs vgg9 10, cvae-small 40; no cell done yet" \
+        in capsys.readouterr().out
+    assert paper._seeds_flag([0, 1, 2]) == " --seeds 0,1,2" and paper._seeds_flag([0]) == ""  # seed 0 is the default
+    for hostile in ("0,1", [True], [-1], [0.5], list(range(65)), None):
+        assert paper._seeds_flag(hostile) == ""
+
+
 def test_the_fedavg_row_a_fedmho_cell_fills_counts_the_seeds_asked_of_it(tmp_path):
     """Table IV's FedAvg row comes from the FedMHO cells (the classifiers they fuse from): it is asked
     for as often as they are, so a row of two seeds with one done says so."""
