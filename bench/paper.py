@@ -269,9 +269,8 @@ TABLES: dict[str, Table] = {
                                             "FedMHO": (75.30, 72.36, 62.14), "FedMHO-MD": (77.27, 75.69, 71.04),
                                             "FedMHO-SD": (77.73, 76.45, 69.65)}.items() for a, v in zip((0.5, 0.3, 0.1), vals)},
         "paper Table IV, Fashion-MNIST", _fedmho, ["Dir 0.5", "Dir 0.3", "Dir 0.1"],
-        {"cpu": "11-51 min a cell that trains its clients (on an AVX-512 Xeon: FedMHO Dir 0.5 15, Dir 0.3 29, Dir 0.1 22, FEDCVAE "
-                "Dir 0.5 15, Dir 0.1 12; on an AVX-512 EPYC: FEDCVAE Dir 0.3 12; on an AVX2 EPYC, Dir 0.1: FedMHO 34, FEDCVAE 11 alone, "
-                "51 with other work beside it, seed 1 Dir 0.3: FedMHO 44), 5-11 min one that fuses a sibling's "
+        {"cpu": "11-51 min a cell that trains its clients (FedMHO 15-44, FEDCVAE 11-15 alone and 51 with other work beside it; "
+                "each cell's time and machine in docs/benchmarks.md 25), 5-11 min one that fuses a sibling's "
                 "kept clients; 6 of a seed's 12 cells train, on a 2-core CPU",
          "paper": "not measured (no round in a 45 s probe on an H200); 6 of a seed's 12 cells train their clients"}),
     "chfl": Table(
@@ -434,9 +433,10 @@ def _merged_clients_from(told: Any, config: dict[str, Any] | None, said: str) ->
         told = {"run": Path(path).name, "commit": None}
     run, commit = (told.get("run"), told.get("commit")) if isinstance(told, dict) else (None, None)
     if not isinstance(run, str) or not run or (commit is not None and not isinstance(commit, str)):
+        got = (_json_kind(told) if not isinstance(told, dict) else f"its run {_json_kind(run)}"
+               if not isinstance(run, str) or not run else f"its commit {_json_kind(commit)}")
         raise MergeRefused(f"{said}'s clients_from is not {{\"run\": a string, \"commit\": a string or null}} "
-                           f"(got {_json_kind(told)})",
-                           hint="merge the table.json a `bench paper` run wrote, as it wrote it")
+                           f"(got {got})", hint="merge the table.json a `bench paper` run wrote, as it wrote it")
     return {"clients_from": {"run": printable(run, 120), "commit": None if commit is None else printable(commit, 60)}}
 
 
@@ -455,7 +455,8 @@ def _read_table_json(path: Path) -> dict[str, Any]:
         held = json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:120]
-        raise MergeRefused(f"{path} cannot be read as a table.json ({why})", hint=what) from None
+        raise MergeRefused(f"{path} cannot be read as a table.json ({why}: a file cut short or edited by hand?)",
+                           hint=what) from None
     if not isinstance(held, dict) or not isinstance(held.get("cells"), list):
         shape = "a table with no list of cells" if isinstance(held, dict) else _json_kind(held)
         raise MergeRefused(f"{path} is not a table.json ({shape}, where a table.json is a table with a list of cells)", hint=what)
@@ -479,7 +480,7 @@ def _check_fits(held: dict[str, Any], path: Path, name: str, scale: str) -> list
     if (held.get("table"), held.get("scale")) != (name, scale):
         theirs = ("no table and scale" if held.get("table") is None and held.get("scale") is None else
                   f"the {printable(held.get('table'), 40)} table at --scale {printable(held.get('scale'), 20)}")
-        fix = (f"merge it into a report of its own table and scale (bench paper {printable(held.get('table'), 40)} --scale "
+        fix = (f"merge it into a report of its own table and scale (./dev.sh bench paper {printable(held.get('table'), 40)} --scale "
                f"{printable(held.get('scale'), 20)}{_seeds_flag(held.get('seeds'))} --report-only --merge {path})"
                if isinstance(held.get("table"), str)
                and isinstance(held.get("scale"), str) else "merge the table.json a `bench paper` run wrote, as it wrote it")
@@ -625,6 +626,12 @@ def _merged_cell(raw: Any, at: str, path: Path, table_of: str, by_key: dict[str,
             return None  # the same cell at another seed
         raise MergeRefused(f"{path}: {printable(key, 60)!r} is not a cell of {table_of}")
     entry = _merged_entry(raw, cell, rows, str(path))
+    source = by_key.get(entry.get("clients_from", {}).get("run", ""))
+    if "clients_from" in entry and (cell.clients_group is None or source is None
+                                    or source.clients_group != cell.clients_group):
+        raise MergeRefused(f"{path}: cell {key} says it fused the clients of "
+                           f"{printable(entry['clients_from']['run'], 60)!r}, not a cell that trains this cell's clients "
+                           f"(its alpha and seed)", hint="merge the table.json a `bench paper` run wrote, as it wrote it")
     if entry["config"] is not None:
         why = differs_from_asked(entry["config"], cell, device, overrides)
         if why:
@@ -964,7 +971,7 @@ def report(name: str, table: Table, cells: list[Cell], out: Path, scale: str, de
     for row in rows:
         print(f"{row:{label}s}" + "".join(f" | {shown[row, c]:>{width}s}" for c in table.columns))
     seeds_in = sorted({d["seed"] for d in done if isinstance(d.get("seed"), int)})
-    print("(ours, paper's in brackets; " + ("no cell done yet)" if not seeds_in else
+    print("(ours, paper's in parentheses; " + ("no cell done yet)" if not seeds_in else
           f"seed {seeds_in[0]} alone)" if len(seeds_in) == 1 else f"mean +- sd over seeds {','.join(map(str, seeds_in))})"))
     if shadowed:
         print(f"{len(shadowed)} merged cell(s) finished in {out} too; the run directories there count, not the merged results: "

@@ -482,6 +482,19 @@ def test_a_merged_cell_keeps_the_run_whose_clients_it_fused():
     for bad in ("fedmho-a0.5-s0", {"run": 3}, {"run": "r", "commit": 5}):
         with pytest.raises(paper.MergeRefused, match="clients_from is not"):
             paper._merged_entry({**raw, "clients_from": bad}, cell, set(), "x.json")
+    # a run that did not train this cell's clients (another alpha, or no cell at all) is refused, not recorded
+    cells = paper.TABLES["fedmho"].cells("cpu", 0)
+    by_key, prefixes = {c.key: c for c in cells}, {c.key.rsplit("-s", 1)[0] for c in cells}
+    rows = {c.row for c in cells} | {"FedAvg"}
+
+    def merged(run: str) -> dict:
+        entry = {**raw, "clients_from": {"run": run, "commit": None}}
+        return paper._merged_cell(entry, "cells[0]", Path("x.json"), "fedmho", by_key, prefixes, rows, "auto", [], False, [])
+
+    assert merged("fedmho-a0.5-s0")["clients_from"]["run"] == "fedmho-a0.5-s0"
+    for wrong in ("fedmho-a0.1-s0", "nosuch-cell", "fedcvae-a0.5-s0"):
+        with pytest.raises(paper.MergeRefused, match="not a cell that trains this cell's clients"):
+            merged(wrong)
 
 
 def test_a_report_says_its_scales_setting_and_a_merge_hint_names_the_files_seeds(tmp_path, capsys):
